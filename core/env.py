@@ -1,0 +1,82 @@
+"""What this process can do: torchao presence/version and GPU capability.
+
+Nothing here runs at import time of the plugin: each check is called when a node is used,
+so a missing torchao or an old GPU gives a clear error on use and never breaks ComfyUI startup.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import os
+
+import torch
+
+from .errors import FluxAccelError
+
+TORCHAO_MIN = (0, 17)
+TORCHAO_MAX_EXCLUSIVE = (0, 19)
+FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89), Hopper (sm_90), Blackwell: hardware FP8 GEMMs
+CPU_FP8_ENV = "FLUXACCEL_ALLOW_CPU_FP8"
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def require_torchao():
+    """Import torchao, or raise an error that says which version to install."""
+    want = f">={'.'.join(map(str, TORCHAO_MIN))},<{'.'.join(map(str, TORCHAO_MAX_EXCLUSIVE))}"
+    try:
+        torchao = importlib.import_module("torchao")
+    except ImportError as e:
+        raise FluxAccelError(
+            f"FluxAccel FP8 needs torchao{want}, which is not installed ({e}). "
+            f"Install it into ComfyUI's Python: python -m pip install 'torchao{want}', then restart ComfyUI."
+        ) from e
+    try:
+        version = md.version("torchao")
+    except md.PackageNotFoundError:
+        version = getattr(torchao, "__version__", "0")
+    vt = _version_tuple(version)[:2]
+    if not (TORCHAO_MIN <= vt < TORCHAO_MAX_EXCLUSIVE):
+        raise FluxAccelError(
+            f"FluxAccel FP8 needs torchao{want}; this ComfyUI has torchao {version}. "
+            f"Run: python -m pip install 'torchao{want}' and restart ComfyUI."
+        )
+    return torchao
+
+
+def cpu_fp8_allowed() -> bool:
+    """CPU FP8 runs torchao's real Float8Tensor path through torch._scaled_mm's CPU kernel.
+
+    It is slow and exists for tests and the CPU demo only, so it is opt-in by environment variable.
+    """
+    return os.environ.get(CPU_FP8_ENV, "") not in ("", "0", "false", "False")
+
+
+def require_fp8_device(device: torch.device) -> None:
+    """Refuse devices without hardware FP8 GEMMs, with the reason and the way out."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if tuple(cap) < FP8_MIN_CAPABILITY:
+            name = torch.cuda.get_device_name(device)
+            raise FluxAccelError(
+                f"FP8 quantization needs an NVIDIA GPU of compute capability 8.9 or newer "
+                f"(RTX 40xx/Ada, H100/H200, Blackwell); {name} is sm_{cap[0]}{cap[1]}. "
+                f"Remove the Quantize FP8 node on this GPU (Compile + CUDA Graph still works in bf16)."
+            )
+        return
+    if device.type == "cpu" and cpu_fp8_allowed():
+        return
+    raise FluxAccelError(
+        f"FP8 quantization runs on NVIDIA GPUs of compute capability 8.9+, but this model loads on "
+        f"'{device}'. Run ComfyUI on such a GPU, or remove the Quantize FP8 node. "
+        f"(For tests and demos only, {CPU_FP8_ENV}=1 emulates FP8 on the CPU, slowly.)"
+    )

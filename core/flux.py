@@ -1,0 +1,63 @@
+"""Recognise a FLUX ModelPatcher and refuse, with a clear message, what we cannot accelerate."""
+from __future__ import annotations
+
+import torch
+
+from .errors import FluxAccelError
+
+FP8_DTYPES = tuple(
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)
+)
+
+
+def diffusion_model(model) -> torch.nn.Module:
+    return model.get_model_object("diffusion_model")
+
+
+def require_flux(model, node: str) -> torch.nn.Module:
+    """Return the FLUX diffusion model of a ComfyUI MODEL, or raise naming what was received."""
+    base = getattr(model, "model", None)
+    dm = getattr(base, "diffusion_model", None)
+    try:
+        from comfy.ldm.flux.model import Flux as FluxDiT
+    except ImportError:  # pragma: no cover - only outside ComfyUI
+        FluxDiT = None
+    is_flux = (
+        dm is not None
+        and (FluxDiT is None or isinstance(dm, FluxDiT))
+        and hasattr(dm, "double_blocks")
+        and hasattr(dm, "single_blocks")
+        and getattr(getattr(dm, "params", None), "global_modulation", False) is False
+    )
+    if not is_flux:
+        kind = type(base).__name__ if base is not None else type(model).__name__
+        inner = type(dm).__name__ if dm is not None else "none"
+        raise FluxAccelError(
+            f"{node} accelerates FLUX.1 diffusion models (dev, schnell and their fine-tunes), but received a "
+            f"{kind} model (diffusion model class {inner}). Connect the MODEL output of a FLUX.1 checkpoint "
+            f"or UNETLoader, or bypass this node for this model."
+        )
+    return dm
+
+
+def require_fully_loaded(model, node: str) -> None:
+    """A model that ComfyUI could only partially load (lowvram) streams weights per layer: refuse it."""
+    if getattr(model.model, "model_lowvram", False):
+        raise FluxAccelError(
+            f"{node}: ComfyUI loaded this FLUX model only partially (lowvram: some weights stay in CPU RAM and "
+            f"are copied per layer), which FP8 weights and CUDA graphs cannot use. Free VRAM (unload other models, "
+            f"lower the batch) or start ComfyUI with --highvram (or --gpu-only) so the model loads completely."
+        )
+
+
+def require_bf16_weights(dm: torch.nn.Module, model, node: str) -> None:
+    """Refuse checkpoints stored in FP8 or loaded with weight_dtype fp8 (ComfyUI manual cast)."""
+    manual = getattr(model.model, "manual_cast_dtype", None)
+    fp8 = sorted({str(p.dtype) for p in dm.parameters() if p.dtype in FP8_DTYPES})
+    if fp8 or manual is not None:
+        what = f"weights stored as {', '.join(fp8)}" if fp8 else f"manual cast to {manual}"
+        raise FluxAccelError(
+            f"{node}: this FLUX model is already in a reduced-precision format ({what}). FluxAccel quantizes from "
+            f"bf16 weights: load the bf16 checkpoint with UNETLoader weight_dtype 'default' (not fp8_e4m3fn / "
+            f"fp8_e5m2), or skip the Quantize FP8 node for this model."
+        )

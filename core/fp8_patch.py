@@ -1,0 +1,150 @@
+"""Module-level FP8: apply quantized Linears to a ComfyUI ModelPatcher clone through object patches.
+
+Why object patches on a clone:
+  * the loaded model (and every other branch or workflow using it) keeps its bf16 Linears; ComfyUI swaps our
+    FP8 modules in when our clone is loaded and restores the originals when another clone is loaded;
+  * the clone gets its own patches_uuid, so switching between it and a plain clone makes ComfyUI unpatch and
+    move the model: only the modules in the live tree go to the GPU, i.e. the FP8 copies, not FP8 + bf16.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .env import require_fp8_device, require_torchao
+from .errors import FluxAccelError
+from .flux import require_bf16_weights, require_flux, require_fully_loaded
+from .fp8 import Fp8Config, is_fp8_weight, quantize_linear, select_linears, weight_bytes
+
+log = logging.getLogger("fluxaccel.fp8")
+
+FP8_KEY = "fluxaccel_fp8"  # model_options entry, ON_LOAD callback key
+NODE = "Quantize FP8 (FluxAccel)"
+
+
+@dataclass
+class Fp8Report:
+    granularity: str
+    scope: str
+    device: str
+    quantized: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    bytes_before: int = 0
+    bytes_after: int = 0
+    already_applied: bool = False
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.bytes_before - self.bytes_after
+
+    def summary(self) -> str:
+        if self.already_applied:
+            head = f"FP8 {self.granularity}/{self.scope} already applied to this model: nothing done."
+        else:
+            head = f"FP8 {self.granularity}, scope {self.scope}, on {self.device}:"
+        gib = 1024**3
+        lines = [
+            head,
+            f"quantized {len(self.quantized)} of {len(self.quantized) + len(self.skipped)} Linear layers; "
+            f"weights {self.bytes_before / gib:.3f} GiB -> {self.bytes_after / gib:.3f} GiB "
+            f"(saved {self.bytes_saved / gib:.3f} GiB, {self.bytes_saved} bytes)",
+        ]
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in self.skipped.items():
+            by_reason.setdefault(reason, []).append(name)
+        for reason, names in sorted(by_reason.items()):
+            shown = ", ".join(names[:6]) + (f", ... (+{len(names) - 6})" if len(names) > 6 else "")
+            lines.append(f"kept in {self._dtype_note()} ({len(names)}): {reason}: {shown}")
+        return "\n".join(lines)
+
+    def _dtype_note(self) -> str:
+        return "original precision"
+
+
+def _is_ours(obj) -> bool:
+    return isinstance(obj, torch.nn.Linear) and is_fp8_weight(obj.weight)
+
+
+def original_linears(model) -> dict[str, torch.nn.Linear]:
+    """The diffusion model's Linears as this patcher would run them without our FP8 patches.
+
+    The live module tree may hold another clone's applied object patches; ComfyUI keeps the originals of
+    applied patches in object_patches_backup (shared by all clones of one model), so look there first.
+    """
+    out = {}
+    for name, live in model.model.diffusion_model.named_modules():
+        key = f"diffusion_model.{name}"
+        patched = model.object_patches.get(key)
+        if patched is not None and not _is_ours(patched):
+            mod = patched  # someone else's object patch on this clone: quantize what this clone runs
+        else:
+            mod = model.object_patches_backup.get(key, live)
+        if isinstance(mod, torch.nn.Linear) and not _is_ours(mod):
+            out[name] = mod
+    return out
+
+
+def _refuse_partial_load(patcher, device_to, lowvram_model_memory, force_patch_weights, full_load):
+    """ON_LOAD callback: FP8 weights cannot be streamed per layer by ComfyUI's lowvram path."""
+    require_fully_loaded(patcher, NODE)
+
+
+def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
+    """Return (clone with FP8 Linears, report). The input model is left untouched.
+
+    Quantizing a model that already carries the same FP8 config is a no-op (the same model is returned);
+    a different config re-quantizes from the original bf16 weights, never from FP8.
+    """
+    require_flux(model, node)
+    require_torchao()
+    require_fully_loaded(model, node)
+    prev = model.model_options.get(FP8_KEY)
+    if prev is not None and prev["config"] == [cfg.granularity, cfg.scope]:
+        report = Fp8Report(**{**prev["report"], "already_applied": True})
+        log.info("%s", report.summary())
+        return model, report
+    device = torch.device(model.load_device)
+    require_fp8_device(device)
+
+    originals = original_linears(model)
+    probe = torch.nn.Module()
+    for i, lin in enumerate(originals.values()):
+        probe.add_module(str(i), lin)
+    require_bf16_weights(probe, model, node)
+    sel = select_linears(originals.items(), cfg)
+
+    clone = model.clone()
+    if prev is not None:  # different config: drop our earlier patches, re-quantize from the bf16 originals
+        for key in prev["keys"]:
+            clone.object_patches.pop(key, None)
+    report = Fp8Report(cfg.granularity, cfg.scope, str(device), skipped=dict(sel.skipped))
+    keys = []
+    for name in sel.chosen:
+        lin = originals[name]
+        q = quantize_linear(lin, cfg, device)
+        key = f"diffusion_model.{name}"
+        clone.add_object_patch(key, q)
+        keys.append(key)
+        report.quantized.append(name)
+        report.bytes_before += weight_bytes(lin.weight)
+        report.bytes_after += weight_bytes(q.weight)
+    if not keys:
+        raise FluxAccelError(f"{node}: no Linear layer matched scope '{cfg.scope}'; choose scope all_linear.")
+    # A fresh patches_uuid makes ComfyUI unpatch/move the model when it switches between this clone and
+    # another one, so the GPU holds only the weights of the clone being run.
+    clone.patches_uuid = uuid.uuid4()
+    clone.size = max(1, model.model_size() - report.bytes_saved)
+    clone.add_callback_with_key(_on_load_type(), FP8_KEY, _refuse_partial_load)
+    report_dict = asdict(report)
+    clone.model_options[FP8_KEY] = {"config": [cfg.granularity, cfg.scope], "keys": keys, "report": report_dict}
+    log.info("%s", report.summary())
+    return clone, report
+
+
+def _on_load_type() -> str:
+    from comfy.patcher_extension import CallbacksMP
+
+    return CallbacksMP.ON_LOAD

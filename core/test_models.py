@@ -1,0 +1,113 @@
+"""Random-weight FLUX models and synthetic conditioning, for tests, the CPU demo and GPU benchmarks.
+
+No weights are downloaded: every model here is FLUX's real ComfyUI architecture with seeded random weights.
+  tiny     hidden 256, 2 heads, 2 double + 2 single blocks  -- built in-process for CPU unit tests
+  e2e      hidden 3072 (what ComfyUI 0.3.75's detection forces), 1 double + 1 single block -- written to a
+           .safetensors that ComfyUI's own UNETLoader detects as FLUX
+  dev      FLUX.1-dev shape (19 double + 38 single blocks, guidance embedding)
+  schnell  FLUX.1-schnell shape (no guidance embedding)
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("fluxaccel.models")
+
+_BASE = dict(
+    image_model="flux", in_channels=16, out_channels=16, patch_size=2, mlp_ratio=4.0, theta=10000,
+    qkv_bias=True, axes_dim=[16, 56, 56], num_heads=24, hidden_size=3072, context_in_dim=4096, vec_in_dim=768,
+)
+SHAPES: dict[str, dict] = {
+    "tiny": {**_BASE, "hidden_size": 256, "num_heads": 2, "context_in_dim": 64, "vec_in_dim": 64,
+             "depth": 2, "depth_single_blocks": 2, "guidance_embed": True},
+    "e2e": {**_BASE, "depth": 1, "depth_single_blocks": 1, "guidance_embed": True},
+    "dev": {**_BASE, "depth": 19, "depth_single_blocks": 38, "guidance_embed": True},
+    "schnell": {**_BASE, "depth": 19, "depth_single_blocks": 38, "guidance_embed": False},
+}
+
+
+def unet_config(shape: str) -> dict:
+    try:
+        return dict(SHAPES[shape])
+    except KeyError:
+        raise ValueError(f"unknown FLUX shape {shape!r}; choose one of {sorted(SHAPES)}") from None
+
+
+@torch.no_grad()
+def init_random_(module: torch.nn.Module, seed: int = 0) -> None:
+    """Seeded random weights of sane scale: Linear weights ~ N(0, 1/fan_in), biases small, norm scales 1."""
+    for i, (name, p) in enumerate(module.named_parameters()):
+        g = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
+        if name.endswith("scale"):
+            p.fill_(1.0)
+        elif p.dim() >= 2:
+            fan_in = p.shape[1]
+            p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32).mul_(1 / math.sqrt(fan_in)))
+        else:
+            p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32).mul_(0.02))
+
+
+def build_flux(shape: str = "tiny", dtype=torch.bfloat16, device="cpu", seed: int = 0):
+    """A ComfyUI ModelPatcher around a random-weight FLUX built through comfy.supported_models.Flux."""
+    import comfy.model_management
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    cfg = unet_config(shape)
+    conf_cls = comfy.supported_models.Flux if cfg["guidance_embed"] else comfy.supported_models.FluxSchnell
+    conf = conf_cls(cfg)
+    conf.set_inference_dtype(dtype, None)
+    model = conf.get_model({}, device=device)
+    model.diffusion_model.to(device=device, dtype=dtype)
+    init_random_(model.diffusion_model, seed)
+    model.diffusion_model.eval()
+    offload = comfy.model_management.unet_offload_device()
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device(device), offload_device=offload)
+
+
+def write_flux_file(path: str | os.PathLike, shape: str = "e2e", seed: int = 0, device="cpu") -> Path:
+    """Write a bf16 FLUX .safetensors with every key of the architecture (what UNETLoader loads).
+
+    Written once: an existing file is kept. Built tensor by tensor on `device` so a FLUX.1-dev-sized file
+    (24 GB) never needs two copies in host memory.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    import comfy.ldm.flux.model
+    import comfy.ops
+
+    cfg = unet_config(shape)
+    params = {k: v for k, v in cfg.items() if k != "image_model"}
+    with torch.device("meta"):
+        meta = comfy.ldm.flux.model.Flux(dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init, **params)
+    sd = {}
+    for i, (name, p) in enumerate(meta.named_parameters()):
+        t = torch.empty(p.shape, dtype=torch.bfloat16, device=device)
+        holder = torch.nn.Module()
+        holder.register_parameter(name.rsplit(".", 1)[-1], torch.nn.Parameter(t, requires_grad=False))
+        init_random_(holder, seed * 7919 + i)
+        sd[name] = t.cpu().contiguous()
+    tmp = path.with_suffix(".tmp")
+    save_file(sd, str(tmp), metadata={"fluxaccel": f"random-weight FLUX shape={shape} seed={seed}"})
+    os.replace(tmp, path)
+    log.info("wrote random-weight FLUX (%s) to %s", shape, path)
+    return path
+
+
+def synthetic_conditioning(shape: str = "tiny", text_len: int = 16, batch: int = 1, guidance: float = 3.5,
+                           seed: int = 0, dtype=torch.float32):
+    """Hand-built FLUX conditioning [[context, {pooled_output, guidance}]] replacing the text encoders."""
+    cfg = unet_config(shape)
+    g = torch.Generator().manual_seed(seed)
+    context = torch.randn(batch, text_len, cfg["context_in_dim"], generator=g, dtype=torch.float32).to(dtype)
+    pooled = torch.randn(batch, cfg["vec_in_dim"], generator=g, dtype=torch.float32).to(dtype)
+    return [[context, {"pooled_output": pooled, "guidance": guidance}]]
