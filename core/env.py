@@ -80,3 +80,32 @@ def require_fp8_device(device: torch.device) -> None:
         f"'{device}'. Run ComfyUI on such a GPU, or remove the Quantize FP8 node. "
         f"(For tests and demos only, {CPU_FP8_ENV}=1 emulates FP8 on the CPU, slowly.)"
     )
+
+
+def describe() -> dict:
+    """Versions that a benchmark result depends on (recorded in every results JSON)."""
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": __import__("sys").version.split()[0]}
+    for pkg in ("torchao", "triton"):
+        try:
+            info[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            info[pkg] = None
+    try:
+        import comfyui_version
+
+        info["comfyui"] = comfyui_version.__version__
+    except ImportError:
+        info["comfyui"] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        try:
+            import subprocess
+
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            capture_output=True, text=True, timeout=10).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            info["driver"] = None
+    else:
+        info["gpu"] = None
+        info["driver"] = None
+    return info

@@ -50,14 +50,13 @@ def require_fully_loaded(model, node: str) -> None:
         )
 
 
-def require_bf16_weights(dm: torch.nn.Module, model, node: str) -> None:
-    """Refuse checkpoints stored in FP8 or loaded with weight_dtype fp8 (ComfyUI manual cast)."""
-    manual = getattr(model.model, "manual_cast_dtype", None)
+def require_bf16_weights(dm: torch.nn.Module, node: str) -> None:
+    """Refuse checkpoints stored in FP8 or loaded with UNETLoader weight_dtype fp8 (ComfyUI then keeps the
+    weights in FP8 and casts them per layer)."""
     fp8 = sorted({str(p.dtype) for p in dm.parameters() if p.dtype in FP8_DTYPES})
-    if fp8 or manual is not None:
-        what = f"weights stored as {', '.join(fp8)}" if fp8 else f"manual cast to {manual}"
+    if fp8:
         raise FluxAccelError(
-            f"{node}: this FLUX model is already in a reduced-precision format ({what}). FluxAccel quantizes from "
-            f"bf16 weights: load the bf16 checkpoint with UNETLoader weight_dtype 'default' (not fp8_e4m3fn / "
-            f"fp8_e5m2), or skip the Quantize FP8 node for this model."
+            f"{node}: this FLUX model's weights are already stored in reduced precision ({', '.join(fp8)}: an FP8 "
+            f"checkpoint, or UNETLoader weight_dtype fp8_e4m3fn/fp8_e5m2). FluxAccel quantizes from bf16 weights: "
+            f"load the bf16 checkpoint with weight_dtype 'default', or skip the Quantize FP8 node for this model."
         )

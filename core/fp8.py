@@ -119,8 +119,13 @@ def _cpu_gate_lifted(device: torch.device):
         qa._check_hardware_support = orig
 
 
-def _detached_copy(linear: torch.nn.Linear, device: torch.device) -> torch.nn.Linear:
-    """A Linear of the same class sharing nothing mutable with the original (new Parameter objects)."""
+def _detached_copy(linear: torch.nn.Linear, device: torch.device, compute_dtype=None) -> torch.nn.Linear:
+    """A Linear of the same class sharing nothing mutable with the original (new Parameter objects).
+
+    compute_dtype: ComfyUI's manual-cast compute dtype, if the model has one (bf16 weights computed in
+    float32 on the CPU). The FP8 GEMM returns the activation dtype itself, so the copy must not be cast per
+    call: its bias is stored in the compute dtype and ComfyUI's per-call weight cast is turned off.
+    """
     new = copy.copy(linear)
     new._parameters = dict(linear._parameters)
     new._buffers = dict(linear._buffers)
@@ -131,17 +136,20 @@ def _detached_copy(linear: torch.nn.Linear, device: torch.device) -> torch.nn.Li
     new.__dict__.pop("comfy_patched_weights", None)
     new.weight = torch.nn.Parameter(linear.weight.detach().to(device), requires_grad=False)
     if linear.bias is not None:
-        new.bias = torch.nn.Parameter(linear.bias.detach().to(device), requires_grad=False)
+        new.bias = torch.nn.Parameter(linear.bias.detach().to(device, compute_dtype), requires_grad=False)
+    if compute_dtype is not None and hasattr(new, "comfy_cast_weights"):
+        new.comfy_cast_weights = False
     return new
 
 
-def quantize_linear(linear: torch.nn.Linear, cfg: Fp8Config, device: torch.device | str) -> torch.nn.Linear:
+def quantize_linear(linear: torch.nn.Linear, cfg: Fp8Config, device: torch.device | str,
+                    compute_dtype=None) -> torch.nn.Linear:
     """Return an FP8 copy of `linear` on `device` (weight: torchao Float8Tensor); `linear` is untouched."""
     require_torchao()
     from torchao.quantization import quantize_
 
     device = torch.device(device)
-    new = _detached_copy(linear, device)
+    new = _detached_copy(linear, device, compute_dtype)
     with _cpu_gate_lifted(device), torch.no_grad():
         quantize_(new, cfg.torchao_config())
     if not is_fp8_weight(new.weight):

@@ -110,10 +110,9 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     require_fp8_device(device)
 
     originals = original_linears(model)
-    probe = torch.nn.Module()
-    for i, lin in enumerate(originals.values()):
-        probe.add_module(str(i), lin)
-    require_bf16_weights(probe, model, node)
+    probe = torch.nn.ModuleList(originals.values())
+    require_bf16_weights(probe, node)
+    compute_dtype = getattr(model.model, "manual_cast_dtype", None)
     sel = select_linears(originals.items(), cfg)
 
     clone = model.clone()
@@ -124,7 +123,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     keys = []
     for name in sel.chosen:
         lin = originals[name]
-        q = quantize_linear(lin, cfg, device)
+        q = quantize_linear(lin, cfg, device, compute_dtype)
         key = f"diffusion_model.{name}"
         clone.add_object_patch(key, q)
         keys.append(key)
@@ -148,3 +147,18 @@ def _on_load_type() -> str:
     from comfy.patcher_extension import CallbacksMP
 
     return CallbacksMP.ON_LOAD
+
+
+def remove_fp8(model):
+    """A clone of `model` running its original Linears again (the default Benchmark baseline)."""
+    prev = model.model_options.get(FP8_KEY)
+    if prev is None:
+        return model
+    clone = model.clone()
+    for key in prev["keys"]:
+        clone.object_patches.pop(key, None)
+    clone.remove_callbacks_with_key(_on_load_type(), FP8_KEY)
+    clone.model_options.pop(FP8_KEY, None)
+    clone.patches_uuid = uuid.uuid4()
+    clone.size = model.model_size() + Fp8Report(**prev["report"]).bytes_saved
+    return clone

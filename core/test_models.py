@@ -103,11 +103,22 @@ def write_flux_file(path: str | os.PathLike, shape: str = "e2e", seed: int = 0, 
     return path
 
 
+def _conditioning(context_dim: int, vec_dim: int, text_len: int, batch: int, guidance: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    context = torch.randn(batch, text_len, context_dim, generator=g)
+    pooled = torch.randn(batch, vec_dim, generator=g)
+    return [[context, {"pooled_output": pooled, "guidance": guidance}]]
+
+
 def synthetic_conditioning(shape: str = "tiny", text_len: int = 16, batch: int = 1, guidance: float = 3.5,
-                           seed: int = 0, dtype=torch.float32):
+                           seed: int = 0):
     """Hand-built FLUX conditioning [[context, {pooled_output, guidance}]] replacing the text encoders."""
     cfg = unet_config(shape)
-    g = torch.Generator().manual_seed(seed)
-    context = torch.randn(batch, text_len, cfg["context_in_dim"], generator=g, dtype=torch.float32).to(dtype)
-    pooled = torch.randn(batch, cfg["vec_in_dim"], generator=g, dtype=torch.float32).to(dtype)
-    return [[context, {"pooled_output": pooled, "guidance": guidance}]]
+    return _conditioning(cfg["context_in_dim"], cfg["vec_in_dim"], text_len, batch, guidance, seed)
+
+
+def synthetic_conditioning_for(dm: torch.nn.Module, text_len: int, batch: int = 1, guidance: float = 3.5,
+                               seed: int = 0):
+    """The same, with the widths read off a FLUX diffusion model."""
+    vec_dim = dm.vector_in.in_layer.in_features if dm.vector_in is not None else 768
+    return _conditioning(dm.txt_in.in_features, vec_dim, text_len, batch, guidance, seed)

@@ -122,6 +122,19 @@ def ensure_host() -> Path:
     return cdir
 
 
+def import_comfy(cdir: Path | None = None):
+    """Make ComfyUI importable in this process (tests, model writers). Without CUDA, ComfyUI runs on the CPU."""
+    cdir = cdir or comfy_dir()
+    if str(cdir) not in sys.path:
+        sys.path.insert(0, str(cdir))
+    import torch
+    import comfy.cli_args
+
+    if not torch.cuda.is_available():
+        comfy.cli_args.args.cpu = True
+    return cdir
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--print-dir", action="store_true", help="only print the ComfyUI folder that would be used")

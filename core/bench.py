@@ -1,0 +1,200 @@
+"""Side-by-side measurement of FLUX models inside ComfyUI's real sampler.
+
+Every model runs the same case (seed, latent, conditioning, sampler): one first run each (load, compile,
+capture: `first_run_s`), then `runs` timed runs alternating between the models, device-synchronized.
+Fidelity is judged on single denoiser forwards at three sigmas against the baseline (random-weight FLUX
+amplifies rounding over many sampling steps, so the final latent's error is reported but not judged).
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from .metrics import rel_err, sqnr_db
+
+log = logging.getLogger("fluxaccel.bench")
+
+FIDELITY_SIGMAS = (0.9, 0.5, 0.1)
+
+
+@dataclass
+class BenchCase:
+    width: int = 1024
+    height: int = 1024
+    steps: int = 28
+    runs: int = 3
+    seed: int = 0
+    cfg: float = 1.0
+    sampler: str = "euler"
+    scheduler: str = "simple"
+    batch: int = 1
+
+
+@dataclass
+class BenchRow:
+    config: str
+    first_run_s: float
+    s_per_image_median: float
+    s_per_step_median: float
+    s_per_image_min: float
+    s_per_image_max: float
+    runs: list[float]
+    step_times: list[float]
+    peak_vram_gib: float | None
+    denoiser_rel_err: float
+    denoiser_sqnr_db: float
+    denoiser_rel_err_per_sigma: list[float]
+    final_latent_rel_err: float
+    speedup_vs_eager: float = 1.0
+    baseline_s_per_image_median: float = 0.0  # the baseline measured alongside, in the same runs
+    extra: dict = field(default_factory=dict)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device) -> float | None:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1024**3
+    return None
+
+
+def empty_latent(model, case: BenchCase) -> torch.Tensor:
+    ch = model.model.latent_format.latent_channels
+    return torch.zeros(case.batch, ch, case.height // 8, case.width // 8)
+
+
+def sample_timed(model, case: BenchCase, positive, negative, latent, on_step: Callable | None = None):
+    """One real ComfyUI sampling run; returns (latent, seconds, per-step seconds). Loading is not timed."""
+    import comfy.model_management as mm
+    import comfy.sample
+
+    mm.load_models_gpu([model])
+    dev = model.load_device
+    noise = comfy.sample.prepare_noise(latent, case.seed)
+    stamps = []
+
+    def cb(step, x0, x, total):
+        _sync(dev)
+        stamps.append(time.perf_counter())
+        if on_step is not None:
+            on_step(step, total)
+
+    _sync(dev)
+    t0 = time.perf_counter()
+    out = comfy.sample.sample(model, noise, case.steps, case.cfg, case.sampler, case.scheduler, positive, negative,
+                              latent, callback=cb, disable_pbar=True, seed=case.seed)
+    _sync(dev)
+    t1 = time.perf_counter()
+    steps = [b - a for a, b in zip([t0] + stamps[:-1], stamps)]
+    return out, t1 - t0, steps
+
+
+@torch.inference_mode()
+def denoiser_outputs(model, case: BenchCase, positive, sigmas=FIDELITY_SIGMAS) -> list[torch.Tensor]:
+    """The model's denoised prediction for fixed inputs at each sigma (the 'single forward' check)."""
+    import comfy.model_management as mm
+
+    mm.load_models_gpu([model])
+    dev = model.load_device
+    bm = model.model
+    ctx, extra = positive[0]
+    g = torch.Generator().manual_seed(case.seed + 1)
+    shape = (case.batch, bm.latent_format.latent_channels, case.height // 8, case.width // 8)
+    x0 = torch.randn(shape, generator=g)
+    noise = torch.randn(shape, generator=g)
+    outs = []
+    kwargs = {"y": extra["pooled_output"].to(dev), "guidance": torch.full((case.batch,), float(extra.get("guidance", 3.5)), device=dev)}
+    for s in sigmas:
+        sigma = torch.full((case.batch,), s, device=dev)
+        x = bm.model_sampling.noise_scaling(sigma.cpu(), noise, x0).to(dev)
+        out = bm.apply_model(x, sigma, c_crossattn=ctx.to(dev), transformer_options={}, **kwargs)
+        outs.append(out.float().cpu())
+    return outs
+
+
+def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negative,
+              on_progress: Callable[[str], None] | None = None, on_step: Callable | None = None) -> list[BenchRow]:
+    """Measure each (label, ModelPatcher); the first one is the baseline (speedup and errors against it).
+
+    on_progress(message) is told what runs; on_step(step, total) is called after every sampling step
+    (total steps over the whole benchmark: len(models) * (runs + 1) * steps).
+    """
+    say = on_progress or (lambda msg: log.info("%s", msg))
+    dev = models[0][1].load_device
+    latent = empty_latent(models[0][1], case)
+    first, latents, peaks = {}, {}, {}
+    for label, m in models:
+        say(f"{label}: first run (load, compile, capture)")
+        import comfy.model_management as mm
+
+        _sync(dev)
+        t0 = time.perf_counter()
+        mm.load_models_gpu([m])
+        out, _, _ = sample_timed(m, case, positive, negative, latent, on_step)
+        first[label] = time.perf_counter() - t0
+        latents[label] = out
+    times = {label: [] for label, _ in models}
+    steps = {label: [] for label, _ in models}
+    for r in range(case.runs):
+        for label, m in models:  # alternate A/B/... so drift (clocks, heat) hits every model alike
+            say(f"{label}: timed run {r + 1}/{case.runs}")
+            import comfy.model_management as mm
+
+            mm.load_models_gpu([m])
+            _reset_peak(dev)
+            _, secs, st = sample_timed(m, case, positive, negative, latent, on_step)
+            peak = _peak_gib(dev)
+            peaks[label] = max(peaks.get(label) or 0.0, peak) if peak is not None else None
+            times[label].append(secs)
+            steps[label].append(st)
+    say("fidelity: denoiser forwards at sigmas " + ", ".join(map(str, FIDELITY_SIGMAS)))
+    den = {label: denoiser_outputs(m, case, positive) for label, m in models}
+    base = models[0][0]
+    rows = []
+    for label, _ in models:
+        per_sigma = [rel_err(o, r) for o, r in zip(den[label], den[base])]
+        cat_o, cat_r = torch.cat([o.flatten() for o in den[label]]), torch.cat([o.flatten() for o in den[base]])
+        med = statistics.median(times[label])
+        step_med = [statistics.median(s) for s in zip(*steps[label])] if steps[label] and steps[label][0] else []
+        rows.append(BenchRow(
+            config=label, first_run_s=first[label], s_per_image_median=med, s_per_step_median=med / case.steps,
+            s_per_image_min=min(times[label]), s_per_image_max=max(times[label]), runs=times[label],
+            step_times=step_med, peak_vram_gib=peaks.get(label), denoiser_rel_err=rel_err(cat_o, cat_r),
+            denoiser_sqnr_db=sqnr_db(cat_o, cat_r), denoiser_rel_err_per_sigma=per_sigma,
+            final_latent_rel_err=rel_err(latents[label], latents[base]),
+        ))
+    base_med = rows[0].s_per_image_median
+    for row in rows:
+        row.speedup_vs_eager = base_med / row.s_per_image_median
+        row.baseline_s_per_image_median = base_med
+    return rows
+
+
+def rows_to_dicts(rows: list[BenchRow]) -> list[dict]:
+    return [asdict(r) for r in rows]
+
+
+def markdown_table(rows: list[BenchRow], case: BenchCase) -> str:
+    head = (f"FLUX {case.width}x{case.height}, {case.steps} {case.sampler} steps, cfg {case.cfg}, "
+            f"{case.runs} timed runs each\n\n")
+    lines = ["| config | s/image (median) | ms/step | speedup | first run s | peak VRAM GiB | denoiser rel err | SQNR dB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        vram = f"{r.peak_vram_gib:.2f}" if r.peak_vram_gib is not None else "n/a (cpu)"
+        sq = "inf" if r.denoiser_sqnr_db == float("inf") else f"{r.denoiser_sqnr_db:.1f}"
+        lines.append(f"| {r.config} | {r.s_per_image_median:.3f} | {1000 * r.s_per_step_median:.1f} | "
+                     f"{r.speedup_vs_eager:.2f}x | {r.first_run_s:.1f} | {vram} | {r.denoiser_rel_err:.4f} | {sq} |")
+    return head + "\n".join(lines)

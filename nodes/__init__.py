@@ -1,0 +1,12 @@
+from comfy_api.latest import ComfyExtension
+
+from .benchmark import Benchmark
+from .conditioning import SyntheticConditioning
+from .quantize import QuantizeFP8
+
+NODES = [QuantizeFP8, Benchmark, SyntheticConditioning]
+
+
+class FluxAccelExtension(ComfyExtension):
+    async def get_node_list(self):
+        return list(NODES)

@@ -1,0 +1,74 @@
+import json
+import os
+import time
+from dataclasses import asdict
+
+import comfy.samplers
+import comfy.utils
+import folder_paths
+from comfy_api.latest import io
+
+from ..core import env
+from ..core.bench import BenchCase, benchmark, markdown_table, rows_to_dicts
+from ..core.flux import require_flux
+from ..core.fp8_patch import FP8_KEY, remove_fp8
+from ..core.test_models import synthetic_conditioning_for
+from . import ids
+
+
+def _label(model) -> str:
+    fp8 = model.model_options.get(FP8_KEY)
+    return f"fp8-{fp8['config'][0]}" if fp8 else "bf16"
+
+
+class Benchmark(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id=ids.BENCHMARK,
+            display_name="Benchmark (FluxAccel)",
+            category=ids.CATEGORY,
+            description="Runs the accelerated and the baseline model side by side in ComfyUI's sampler: seconds "
+                        "per image and step, speedup, peak VRAM, first-run cost and denoiser fidelity.",
+            is_output_node=True,
+            not_idempotent=True,
+            inputs=[
+                io.Model.Input("model", tooltip="The accelerated FLUX model (output of FluxAccel nodes)."),
+                io.Model.Input("baseline", optional=True,
+                               tooltip="Model to compare against; default: the same model with FluxAccel's patches removed."),
+                io.Conditioning.Input("positive", optional=True,
+                                      tooltip="Conditioning to sample with; default: synthetic, text_length tokens."),
+                io.Int.Input("text_length", default=512, min=1, max=4096, tooltip="T5 tokens of the synthetic conditioning."),
+                io.Int.Input("width", default=1024, min=64, max=8192, step=16, tooltip="Image width in pixels."),
+                io.Int.Input("height", default=1024, min=64, max=8192, step=16, tooltip="Image height in pixels."),
+                io.Int.Input("steps", default=28, min=1, max=1000, tooltip="Sampling steps per image."),
+                io.Int.Input("runs", default=3, min=1, max=100, tooltip="Timed runs per model (after one first run)."),
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, tooltip="Noise seed, the same for both models."),
+                io.Float.Input("cfg", default=1.0, min=1.0, max=30.0, step=0.1, tooltip="CFG scale; >1 runs cond+uncond (batch 2)."),
+                io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="euler", tooltip="Sampler."),
+                io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="simple", tooltip="Scheduler."),
+                io.String.Input("label", default="", tooltip="Name of the accelerated row; empty: derived from the model's patches."),
+            ],
+            outputs=[io.String.Output(display_name="table")],
+        )
+
+    @classmethod
+    def execute(cls, model, text_length, width, height, steps, runs, seed, cfg, sampler_name, scheduler, label,
+                baseline=None, positive=None) -> io.NodeOutput:
+        dm = require_flux(model, "Benchmark (FluxAccel)")
+        base = baseline if baseline is not None else remove_fp8(model)
+        positive = positive or synthetic_conditioning_for(dm, text_length, seed=seed)
+        negative = synthetic_conditioning_for(dm, positive[0][0].shape[1], seed=seed + 1)
+        case = BenchCase(width=width, height=height, steps=steps, runs=runs, seed=seed, cfg=cfg,
+                         sampler=sampler_name, scheduler=scheduler)
+        models = [("eager-" + _label(base), base), (label or _label(model), model)]
+        pbar = comfy.utils.ProgressBar(len(models) * (runs + 1) * steps)
+        rows = benchmark(models, case, positive, negative, on_step=lambda step, total: pbar.update(1))
+        table = markdown_table(rows, case)
+        out_dir = os.path.join(folder_paths.get_output_directory(), "fluxaccel")
+        os.makedirs(out_dir, exist_ok=True)
+        name = f"benchmark-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}.json"
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump({"case": asdict(case), "text_length": positive[0][0].shape[1], "env": env.describe(),
+                       "results": rows_to_dicts(rows), "table": table}, f, indent=2)
+        return io.NodeOutput(table, ui={"text": [table], "fluxaccel_json": [f"fluxaccel/{name}"]})

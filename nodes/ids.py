@@ -1,0 +1,5 @@
+"""Node ids, shared by the Python nodes, the web extension (web/ids.json mirrors it) and the tests."""
+CATEGORY = "FluxAccel"
+QUANTIZE_FP8 = "FluxAccelQuantizeFP8"
+BENCHMARK = "FluxAccelBenchmark"
+SYNTHETIC_CONDITIONING = "FluxAccelSyntheticConditioning"

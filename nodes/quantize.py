@@ -1,0 +1,32 @@
+from comfy_api.latest import io, ui
+
+from ..core.fp8 import GRANULARITIES, SCOPES, Fp8Config
+from ..core.fp8_patch import apply_fp8
+from . import ids
+
+
+class QuantizeFP8(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id=ids.QUANTIZE_FP8,
+            display_name="Quantize FP8 (FluxAccel)",
+            category=ids.CATEGORY,
+            description="FP8 dynamic-activation + FP8-weight quantization (torchao) of a FLUX model's Linear "
+                        "layers, for this branch only. Needs an NVIDIA GPU of compute capability 8.9+.",
+            inputs=[
+                io.Model.Input("model", tooltip="A FLUX.1 model loaded in bf16 (UNETLoader weight_dtype 'default')."),
+                io.Combo.Input("granularity", options=list(GRANULARITIES), default="per_row",
+                               tooltip="per_row: one scale per weight row and per activation token (more "
+                                       "accurate). per_tensor: one scale per tensor (fewer scaling ops)."),
+                io.Combo.Input("scope", options=list(SCOPES), default="blocks",
+                               tooltip="blocks: Linears in the double/single blocks except modulation. "
+                                       "blocks+modulation: also modulation. all_linear: also embedders and final layer."),
+            ],
+            outputs=[io.Model.Output(tooltip="The model with FP8 Linears; the input model is unchanged.")],
+        )
+
+    @classmethod
+    def execute(cls, model, granularity, scope) -> io.NodeOutput:
+        clone, report = apply_fp8(model, Fp8Config(granularity=granularity, scope=scope))
+        return io.NodeOutput(clone, ui=ui.PreviewText(report.summary()))

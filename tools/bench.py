@@ -1,0 +1,172 @@
+"""Headless benchmark: a real ComfyUI server on 127.0.0.1 runs example_workflows/ through POST /prompt.
+
+    python tools/bench.py                     # tiny-cpu without a GPU, dev-1024-28 with one
+    python tools/bench.py --case schnell-512-4
+    python tools/bench.py --checkpoint /path/to/flux1-dev.safetensors   # a real bf16 FLUX checkpoint
+
+Without --checkpoint the model is FLUX's architecture with seeded random weights (said in the output):
+speed and memory are those of the real model, images are noise. Prints a table and writes
+bench/results/<gpu-or-cpu>-<case>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import logging
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools import host  # noqa: E402
+from tools.comfy_server import ComfyServer  # noqa: E402
+
+log = logging.getLogger("fluxaccel.bench")
+
+CASES = {
+    # name: model shape, width, height, steps, text tokens, timed runs
+    "tiny-cpu": dict(shape="e2e", width=64, height=64, steps=3, text_length=16, runs=2),
+    "dev-1024-28": dict(shape="dev", width=1024, height=1024, steps=28, text_length=512, runs=3),
+    "schnell-512-4": dict(shape="schnell", width=512, height=512, steps=4, text_length=256, runs=5),
+}
+WORKFLOW = ROOT / "example_workflows" / "fluxaccel_fp8_benchmark.api.json"
+
+
+def _gpu() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def build_prompt(case: dict, unet_name: str, runs: int) -> dict:
+    wf = json.loads(WORKFLOW.read_text())
+    prompt = copy.deepcopy(wf)
+    prompt["1"]["inputs"]["unet_name"] = unet_name
+    prompt["2"]["inputs"]["text_length"] = case["text_length"]
+    for node in prompt.values():
+        if node["class_type"] == "FluxAccelBenchmark":
+            node["inputs"].update(width=case["width"], height=case["height"], steps=case["steps"], runs=runs,
+                                  text_length=case["text_length"])
+    return prompt
+
+
+def merge_results(bench_files: list[dict]) -> list[dict]:
+    """One row per config: the eager row of the first Benchmark node, then each node's accelerated row."""
+    rows = [dict(bench_files[0]["results"][0], config="eager-bf16")]
+    for f in bench_files:
+        rows.append(f["results"][1])
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", choices=sorted(CASES), help="default: dev-1024-28 on a GPU, tiny-cpu without")
+    ap.add_argument("--checkpoint", help="a real bf16 FLUX diffusion-model .safetensors to use instead of random weights")
+    ap.add_argument("--runs", type=int, help="timed runs per config (default per case)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder for the results JSON")
+    ap.add_argument("--models-dir", default=str(ROOT / ".cache" / "models"), help="where random-weight models are cached")
+    ap.add_argument("--server-arg", action="append", default=[], help="extra ComfyUI launch flag (repeatable)")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[fluxaccel] %(message)s")
+
+    gpu = _gpu()
+    case_name = a.case or ("dev-1024-28" if gpu else "tiny-cpu")
+    case = CASES[case_name]
+    runs = a.runs or case["runs"]
+    comfy_dir = host.import_comfy(host.ensure_host())
+    models_dir = Path(a.models_dir)
+    unet_dir = models_dir / "diffusion_models"
+    unet_dir.mkdir(parents=True, exist_ok=True)
+    if a.checkpoint:
+        src = Path(a.checkpoint).resolve()
+        unet_name = src.name
+        link = unet_dir / unet_name
+        if not link.exists():
+            link.symlink_to(src)
+        weights = f"checkpoint {src}"
+    else:
+        from core.test_models import write_flux_file
+
+        unet_name = f"fluxaccel-random-{case['shape']}.safetensors"
+        print(f"No --checkpoint given: building FLUX '{case['shape']}' architecture with seeded RANDOM weights "
+              f"({unet_dir / unet_name}); timings and memory match the real model, images do not.", flush=True)
+        write_flux_file(unet_dir / unet_name, case["shape"], device="cuda" if gpu else "cpu")
+        weights = f"random weights, FLUX shape '{case['shape']}'"
+
+    server_args = list(a.server_arg)
+    env = {}
+    if not gpu:
+        # No GPU: ComfyUI on the CPU in bf16; FP8 through torchao's real Float8Tensor path on the CPU (slow,
+        # a functional demo, not a speedup).
+        server_args += ["--cpu", "--bf16-unet"]
+        env["FLUXACCEL_ALLOW_CPU_FP8"] = "1"
+    prompt = build_prompt(case, unet_name, runs)
+    from tqdm import tqdm
+
+    with tempfile.TemporaryDirectory(prefix="fluxaccel-bench-") as work:
+        server = ComfyServer(comfy_dir, Path(work), models_dir, tuple(server_args), env=env)
+        with server:
+            bars: dict[str, tqdm] = {}
+            titles = {k: v.get("_meta", {}).get("title", v["class_type"]) for k, v in prompt.items()}
+
+            def on_event(kind: str, data: dict) -> None:
+                if kind == "executing" and data.get("node"):
+                    tqdm.write(f"running: {titles.get(data['node'], data['node'])}")
+                elif kind == "progress":
+                    node = data.get("node")
+                    bar = bars.get(node)
+                    if bar is None:
+                        bar = bars[node] = tqdm(total=data["max"], desc=titles.get(node, node), unit="step")
+                    bar.n = data["value"]
+                    bar.refresh()
+
+            hist = server.run_following(prompt, on_event)
+            for bar in bars.values():
+                bar.close()
+            files = []
+            for node_id in sorted(hist["outputs"], key=int):
+                for rel in hist["outputs"][node_id].get("fluxaccel_json", []):
+                    files.append(json.loads((server.output_dir / rel).read_text()))
+    if not files:
+        raise SystemExit("the workflow produced no benchmark results; see the ComfyUI log above")
+    rows = merge_results(files)
+    device = (gpu or "cpu").lower().replace(" ", "-")
+    result = {
+        "case": case_name,
+        "gpu": gpu or "cpu",
+        "command": "python tools/bench.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])),
+        "env": files[0]["env"],
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "weights": weights,
+        "settings": {**case, "runs": runs, "server_args": server_args},
+        "results": rows,
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{'cpu' if not gpu else device}-{case_name}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print()
+    print(f"FluxAccel benchmark, case {case_name} on {gpu or 'CPU'} ({weights}):")
+    print(table(rows))
+    print(f"\nwrote {path}")
+    return 0
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| config | s/image | ms/step | speedup vs eager | first run s | peak VRAM GiB | denoiser rel err |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        vram = f"{r['peak_vram_gib']:.2f}" if r.get("peak_vram_gib") is not None else "n/a"
+        lines.append(f"| {r['config']} | {r['s_per_image_median']:.3f} | {1000 * r['s_per_step_median']:.1f} | "
+                     f"{r['speedup_vs_eager']:.2f}x | {r['first_run_s']:.1f} | {vram} | {r['denoiser_rel_err']:.4f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""A real ComfyUI server on 127.0.0.1, driven over its HTTP and websocket API.
+
+Used by the headless benchmark command and by the end-to-end tests (the same code path a user's
+/prompt client takes). HTTP uses the standard library; the websocket uses aiohttp (a ComfyUI dependency).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger("fluxaccel.server")
+
+
+class PromptRejected(RuntimeError):
+    """ComfyUI refused a prompt at validation (HTTP 400); .body holds its JSON answer."""
+
+    def __init__(self, body: dict):
+        super().__init__(json.dumps(body)[:2000])
+        self.body = body
+
+
+class PromptFailed(RuntimeError):
+    """A prompt was accepted but its execution raised; .messages holds ComfyUI's status messages."""
+
+    def __init__(self, messages: list, exception_message: str):
+        super().__init__(exception_message)
+        self.messages = messages
+        self.exception_message = exception_message
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ComfyServer:
+    def __init__(self, comfy_dir: Path, workdir: Path, models_dir: Path, extra_args: tuple[str, ...] = (),
+                 env: dict | None = None, port: int | None = None):
+        self.comfy_dir, self.workdir, self.models_dir = Path(comfy_dir), Path(workdir), Path(models_dir)
+        self.extra_args, self.env = list(extra_args), env
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client_id = uuid.uuid4().hex
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.workdir / "comfyui.log"
+
+    @property
+    def output_dir(self) -> Path:
+        return self.workdir / "output"
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def start(self, timeout: float = 300) -> "ComfyServer":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for sub in ("output", "input", "temp", "user"):
+            (self.workdir / sub).mkdir(exist_ok=True)
+        paths = self.workdir / "extra_model_paths.yaml"
+        paths.write_text(f"fluxaccel:\n  base_path: {self.models_dir}\n  diffusion_models: diffusion_models\n")
+        cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(self.port),
+               "--output-directory", str(self.workdir / "output"), "--input-directory", str(self.workdir / "input"),
+               "--temp-directory", str(self.workdir / "temp"), "--user-directory", str(self.workdir / "user"),
+               "--extra-model-paths-config", str(paths), "--disable-auto-launch", *self.extra_args]
+        env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1"}
+        log.info("starting ComfyUI: %s", " ".join(cmd))
+        self._logf = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, cwd=self.comfy_dir, stdout=self._logf, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with {self.proc.returncode} during start:\n{self.log_tail()}")
+            try:
+                self.get("/system_stats")
+                return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"ComfyUI did not answer within {timeout}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if getattr(self, "_logf", None):
+            self._logf.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    # -- HTTP --------------------------------------------------------------------------------------------
+    def _request(self, method: str, path: str, body=None, timeout: float = 60):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            return json.loads(raw) if raw and r.headers.get_content_type() == "application/json" else raw
+
+    def get(self, path: str, timeout: float = 60):
+        return self._request("GET", path, timeout=timeout)
+
+    def post(self, path: str, body=None, timeout: float = 60):
+        return self._request("POST", path, body if body is not None else {}, timeout=timeout)
+
+    def queue(self, prompt: dict) -> str:
+        try:
+            res = self.post("/prompt", {"prompt": prompt, "client_id": self.client_id})
+        except urllib.error.HTTPError as e:
+            body = json.loads(e.read() or b"{}")
+            raise PromptRejected(body) from None
+        return res["prompt_id"]
+
+    def history(self, prompt_id: str) -> dict | None:
+        return self.get(f"/history/{prompt_id}").get(prompt_id)
+
+    def wait(self, prompt_id: str, timeout: float = 1800, poll: float = 0.2) -> dict:
+        """Block until the prompt has a /history entry; raise PromptFailed if it ended in an error."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            h = self.history(prompt_id)
+            if h is not None and h.get("status", {}).get("completed") is not None:
+                return self._checked(h)
+            if self.proc and self.proc.poll() is not None:
+                raise RuntimeError(f"ComfyUI died while running {prompt_id}:\n{self.log_tail()}")
+            time.sleep(poll)
+        raise TimeoutError(f"prompt {prompt_id} did not finish within {timeout}s")
+
+    @staticmethod
+    def _checked(h: dict) -> dict:
+        st = h["status"]
+        if st.get("status_str") == "error":
+            msgs = st.get("messages", [])
+            err = next((m[1] for m in msgs if m[0] == "execution_error"), {})
+            raise PromptFailed(msgs, err.get("exception_message", json.dumps(msgs)[:2000]))
+        return h
+
+    def run(self, prompt: dict, timeout: float = 1800) -> dict:
+        return self.wait(self.queue(prompt), timeout=timeout)
+
+    def free(self, unload_models: bool = True, free_memory: bool = True) -> None:
+        self.post("/free", {"unload_models": unload_models, "free_memory": free_memory})
+
+    def interrupt(self) -> None:
+        self.post("/interrupt", {})
+
+    # -- websocket ---------------------------------------------------------------------------------------
+    def run_following(self, prompt: dict, on_event: Callable[[str, dict], None], timeout: float = 3600) -> dict:
+        """Queue a prompt and pass every websocket event for it to on_event(type, data) until it ends."""
+        return asyncio.run(self._follow(prompt, on_event, timeout))
+
+    async def _follow(self, prompt: dict, on_event, timeout: float) -> dict:
+        import aiohttp
+
+        ws_url = f"ws://127.0.0.1:{self.port}/ws?clientId={self.client_id}"
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(ws_url, heartbeat=30, max_msg_size=0) as ws:
+                prompt_id = await asyncio.to_thread(self.queue, prompt)
+                deadline = time.time() + timeout
+                while time.time() < deadline:
+                    try:
+                        msg = await ws.receive(timeout=5)
+                    except asyncio.TimeoutError:
+                        if self.proc and self.proc.poll() is not None:
+                            raise RuntimeError(f"ComfyUI died:\n{self.log_tail()}")
+                        continue
+                    if msg.type != aiohttp.WSMsgType.TEXT:
+                        if msg.type in (aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+                            break
+                        continue  # binary previews
+                    ev = json.loads(msg.data)
+                    data = ev.get("data", {})
+                    if data.get("prompt_id") not in (None, prompt_id):
+                        continue
+                    on_event(ev["type"], data)
+                    if ev["type"] in ("execution_success", "execution_error", "execution_interrupted"):
+                        break
+                    if ev["type"] == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
+                        break
+        return await asyncio.to_thread(self.wait, prompt_id, 120)
