@@ -1,0 +1,51 @@
+"""Test set-up: a real ComfyUI (tools/host.py) importable in-process, on the CPU.
+
+CPU FP8: torchao refuses FP8 off-GPU by one capability gate (quant_api._check_hardware_support). The
+`cpu_fp8` fixture sets FLUXACCEL_ALLOW_CPU_FP8=1, which makes core.fp8 lift exactly that gate, only around
+its own quantize_ call and only for CPU tensors; everything else (Float8Tensor, torch._scaled_mm's CPU
+kernel, the dispatch of F.linear) is torchao's and torch's real code, so numerics are those of the GPU
+recipe up to the GEMM accumulation order.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools import host  # noqa: E402
+
+COMFY_DIR = host.import_comfy(host.comfy_dir())
+
+
+@pytest.fixture
+def cpu_fp8(monkeypatch):
+    """Opt in to CPU FP8 (lifts torchao's GPU-capability gate inside core.fp8 only; see module docstring)."""
+    monkeypatch.setenv("FLUXACCEL_ALLOW_CPU_FP8", "1")
+
+
+@pytest.fixture
+def tiny_flux():
+    """A fresh tiny random-weight FLUX ModelPatcher (hidden 256, 2 double + 2 single blocks), bf16, CPU."""
+    from core.test_models import build_flux
+
+    return build_flux("tiny", seed=0)
+
+
+@pytest.fixture(autouse=True)
+def _inference_mode():
+    # ComfyUI executes nodes under torch.inference_mode(); tests do the same.
+    with torch.inference_mode():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _unload_models():
+    yield
+    import comfy.model_management as mm
+
+    mm.unload_all_models()
