@@ -123,7 +123,9 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     keys = []
     for name in sel.chosen:
         lin = originals[name]
-        q = quantize_linear(lin, cfg, device, compute_dtype)
+        # quantize on the GPU (fast), then park the FP8 copy where ComfyUI keeps unloaded weights: the GPU
+        # then holds only what ComfyUI itself loads (and accounts for), e.g. not two FP8 variants at once.
+        q = quantize_linear(lin, cfg, device, compute_dtype).to(model.offload_device)
         key = f"diffusion_model.{name}"
         clone.add_object_patch(key, q)
         keys.append(key)

@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder for the results JSON")
     ap.add_argument("--models-dir", default=str(ROOT / ".cache" / "models"), help="where random-weight models are cached")
     ap.add_argument("--server-arg", action="append", default=[], help="extra ComfyUI launch flag (repeatable)")
+    ap.add_argument("--log", help="copy the ComfyUI server log here when done (also on failure)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[fluxaccel] %(message)s")
 
@@ -97,6 +98,10 @@ def main(argv=None) -> int:
         print(f"No --checkpoint given: building FLUX '{case['shape']}' architecture with seeded RANDOM weights "
               f"({unet_dir / unet_name}); timings and memory match the real model, images do not.", flush=True)
         write_flux_file(unet_dir / unet_name, case["shape"], device="cuda" if gpu else "cpu")
+        if gpu:
+            import torch
+
+            torch.cuda.empty_cache()  # this client process keeps no GPU memory the server could use
         weights = f"random weights, FLUX shape '{case['shape']}'"
 
     server_args = list(a.server_arg)
@@ -111,7 +116,8 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="fluxaccel-bench-") as work:
         server = ComfyServer(comfy_dir, Path(work), models_dir, tuple(server_args), env=env)
-        with server:
+        try:
+            server.start()
             bars: dict[str, tqdm] = {}
             titles = {k: v.get("_meta", {}).get("title", v["class_type"]) for k, v in prompt.items()}
 
@@ -133,6 +139,12 @@ def main(argv=None) -> int:
             for node_id in sorted(hist["outputs"], key=int):
                 for rel in hist["outputs"][node_id].get("fluxaccel_json", []):
                     files.append(json.loads((server.output_dir / rel).read_text()))
+        finally:
+            server.stop()
+            if a.log:
+                import shutil
+
+                shutil.copy(server.log_path, a.log)
     if not files:
         raise SystemExit("the workflow produced no benchmark results; see the ComfyUI log above")
     rows = merge_results(files)

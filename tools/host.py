@@ -10,7 +10,8 @@ Usage: python tools/host.py [--print-dir]
 Either way ComfyUI's requirements (plus `requests`, which it omits) are installed into
 the running Python environment, except the torch family, which the project pins itself,
 and the plugin is linked into ComfyUI/custom_nodes/comfyui-fluxaccel.
-A second run only checks: it installs nothing that is already there.
+A second run only checks: it installs nothing that is already there. With FLUXACCEL_HOST_NO_INSTALL=1
+(machines without a package index) missing requirements are only reported.
 """
 from __future__ import annotations
 
@@ -113,7 +114,10 @@ def ensure_host() -> Path:
     else:
         log.info("ComfyUI present at %s", cdir)
     missing = _missing(_requirements(cdir))
-    if missing:
+    if missing and os.environ.get("FLUXACCEL_HOST_NO_INSTALL"):
+        # offline machines (the lent GPU): ComfyUI starts without its optional packages; say what is missing
+        log.warning("not installing (FLUXACCEL_HOST_NO_INSTALL set); missing: %s", " ".join(missing))
+    elif missing:
         log.info("installing ComfyUI requirements: %s", " ".join(missing))
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", *missing], check=True)
     else:

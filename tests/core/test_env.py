@@ -1,0 +1,50 @@
+"""core/env.py: clear errors for missing/old torchao and unsupported devices."""
+import sys
+
+import pytest
+import torch
+
+from core import env
+from core.errors import FluxAccelError
+
+
+def test_torchao_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # makes `import torchao` raise ImportError
+    with pytest.raises(FluxAccelError, match=r"needs torchao>=0\.17,<0\.19, which is not installed.*pip install"):
+        env.require_torchao()
+
+
+@pytest.mark.parametrize("version", ["0.16.0", "0.19.1", "1.0.0"])
+def test_torchao_wrong_version(monkeypatch, version):
+    monkeypatch.setattr(env.md, "version", lambda name: version)
+    with pytest.raises(FluxAccelError, match=rf"this ComfyUI has torchao {version}\. Run: python -m pip install"):
+        env.require_torchao()
+
+
+def test_torchao_supported_version_passes(monkeypatch):
+    monkeypatch.setattr(env.md, "version", lambda name: "0.18.0+cu130")
+    assert env.require_torchao() is sys.modules["torchao"]
+
+
+@pytest.mark.parametrize("cap,ok", [((8, 6), False), ((7, 5), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)])
+def test_gpu_capability_gate(monkeypatch, cap, ok):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    if ok:
+        env.require_fp8_device(torch.device("cuda", 0))
+    else:
+        with pytest.raises(FluxAccelError, match=rf"compute capability 8\.9 or newer.*Test GPU is sm_{cap[0]}{cap[1]}"):
+            env.require_fp8_device(torch.device("cuda", 0))
+
+
+def test_cpu_needs_explicit_opt_in(monkeypatch):
+    monkeypatch.delenv(env.CPU_FP8_ENV, raising=False)
+    with pytest.raises(FluxAccelError, match="NVIDIA GPUs of compute capability 8.9\\+.*'cpu'"):
+        env.require_fp8_device(torch.device("cpu"))
+    monkeypatch.setenv(env.CPU_FP8_ENV, "1")
+    env.require_fp8_device(torch.device("cpu"))
+
+
+def test_describe_has_versions():
+    d = env.describe()
+    assert d["torch"] == torch.__version__ and d["torchao"] and d["comfyui"] == "0.3.75"
