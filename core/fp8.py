@@ -119,6 +119,40 @@ def _cpu_gate_lifted(device: torch.device):
         qa._check_hardware_support = orig
 
 
+class _Fp8DeviceMove:
+    """Mixin for quantized Linears: moves an FP8 weight by moving its plain tensors (qdata, scale).
+
+    ComfyUI moves modules with Module.to() when it loads/unloads a model. With torch 2.11 and torchao 0.18,
+    Float8Tensor.to(other device) fails in torch's aliasing check of aten.to ("Attempted to set the storage
+    of a tensor on device cpu to a storage on different device cuda:0"); torchao's _apply_fn_to_data moves
+    the components instead and rebuilds the Float8Tensor, on every torch version.
+    """
+
+    def _apply(self, fn, recurse=True):
+        w = self._parameters.get("weight")
+        if w is None or not is_fp8_weight(w):
+            return super()._apply(fn, recurse)
+        del self._parameters["weight"]
+        try:
+            super()._apply(fn, recurse)  # bias and anything else the usual way
+        finally:
+            target = fn(torch.empty(0, device=w.device)).device
+            if target != w.device:
+                w = torch.nn.Parameter(w._apply_fn_to_data(lambda t: t.to(target)), requires_grad=False)
+            self._parameters["weight"] = w
+        return self
+
+
+_FP8_CLASSES: dict[type, type] = {}
+
+
+def _fp8_class(cls: type) -> type:
+    """The quantized variant of a Linear class (ComfyUI's op classes differ per model): cls + _Fp8DeviceMove."""
+    if cls not in _FP8_CLASSES:
+        _FP8_CLASSES[cls] = type(f"FluxAccelFp8{cls.__name__}", (_Fp8DeviceMove, cls), {"__module__": __name__})
+    return _FP8_CLASSES[cls]
+
+
 def _detached_copy(linear: torch.nn.Linear, device: torch.device, compute_dtype=None) -> torch.nn.Linear:
     """A Linear of the same class sharing nothing mutable with the original (new Parameter objects).
 
@@ -154,4 +188,5 @@ def quantize_linear(linear: torch.nn.Linear, cfg: Fp8Config, device: torch.devic
         quantize_(new, cfg.torchao_config())
     if not is_fp8_weight(new.weight):
         raise FluxAccelError(f"torchao left a {tuple(linear.weight.shape)} Linear unquantized; report this as a bug.")
+    new.__class__ = _fp8_class(type(linear))
     return new

@@ -115,3 +115,22 @@ def test_block_fidelity(cpu_fp8, tiny_flux, granularity, compiled):
     for out, ref in ((out_img, ref_img), (out_txt, ref_txt)):
         e = rel_err(out, ref)
         assert 0 < e < BOUND, f"{granularity} block rel err {e:.4f} (SQNR {sqnr_db(out, ref):.1f} dB)"
+
+
+def test_fp8_linear_moves_devices_without_float8tensor_to(cpu_fp8, monkeypatch):
+    """ComfyUI moves modules with Module.to(); on torch 2.11 Float8Tensor.to(other device) fails, so our
+    quantized Linear moves qdata/scale itself. Checked on the meta device with Float8Tensor.to disabled."""
+    from torchao.quantization import Float8Tensor
+
+    lin = torch.nn.Linear(32, 48, dtype=torch.bfloat16)
+    q = quantize_linear(lin, Fp8Config("per_row"), "cpu")
+
+    def refuse(*a, **k):
+        raise AssertionError("Float8Tensor.to must not be used for device moves")
+
+    monkeypatch.setattr(Float8Tensor, "to", refuse)
+    q.to("meta")
+    assert isinstance(q.weight, Float8Tensor) and q.weight.device.type == "meta"
+    assert q.weight.qdata.device.type == "meta" and q.weight.scale.device.type == "meta"
+    assert q.bias.device.type == "meta" and isinstance(q, type(lin))
+    assert lin.weight.device.type == "cpu"
