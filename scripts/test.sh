@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Runs the test suite (CPU; a real ComfyUI host) after setting everything up.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=$(bash scripts/setup.sh)
+exec "$PY" -m pytest "$@"
