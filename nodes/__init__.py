@@ -1,10 +1,11 @@
 from comfy_api.latest import ComfyExtension
 
 from .benchmark import Benchmark
+from .compile import Compile
 from .conditioning import SyntheticConditioning
 from .quantize import QuantizeFP8
 
-NODES = [QuantizeFP8, Benchmark, SyntheticConditioning]
+NODES = [QuantizeFP8, Compile, Benchmark, SyntheticConditioning]
 
 
 class FluxAccelExtension(ComfyExtension):

@@ -1,5 +1,6 @@
 """Node ids, shared by the Python nodes, the web extension (web/ids.json mirrors it) and the tests."""
 CATEGORY = "FluxAccel"
 QUANTIZE_FP8 = "FluxAccelQuantizeFP8"
+COMPILE = "FluxAccelCompile"
 BENCHMARK = "FluxAccelBenchmark"
 SYNTHETIC_CONDITIONING = "FluxAccelSyntheticConditioning"

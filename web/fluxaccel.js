@@ -5,6 +5,7 @@ import { ComfyWidgets } from "../../scripts/widgets.js";
 
 export const FLUXACCEL_NODE_IDS = [
   "FluxAccelQuantizeFP8",
+  "FluxAccelCompile",
   "FluxAccelBenchmark",
   "FluxAccelSyntheticConditioning",
 ];

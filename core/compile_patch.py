@@ -1,0 +1,144 @@
+"""Put a CompiledFlux into a ComfyUI ModelPatcher clone through a keyed APPLY_MODEL wrapper.
+
+As ComfyUI's own set_torch_compile_wrapper does: the wrapper swaps BaseModel.diffusion_model for the compiled
+callable for the duration of one apply_model call and restores it in `finally`; any previous wrapper under our
+key is removed first. The loaded model and other branches are never compiled.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .compile import CompileConfig, CompiledFlux
+from .errors import FluxAccelError
+from .flux import require_flux, require_fully_loaded
+
+log = logging.getLogger("fluxaccel.compile")
+
+COMPILE_KEY = "fluxaccel.compile"
+COMFY_COMPILE_KEY = "torch.compile"  # comfy_api.torch_helpers.torch_compile.COMPILE_KEY
+NODE = "Compile + CUDA Graph (FluxAccel)"
+
+
+def _apply_model_type() -> str:
+    from comfy.patcher_extension import WrappersMP
+
+    return WrappersMP.APPLY_MODEL
+
+
+def _comfy_compiled_keys(fn) -> list[str] | None:
+    """Keys compiled by a ComfyUI set_torch_compile_wrapper wrapper (read from its closure)."""
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
+        if isinstance(value, dict) and value and all(callable(v) for v in value.values()):
+            return list(value)
+    return None
+
+
+def regional_compiles(model) -> list[str]:
+    """Per-block/regional compiles already on the model: wrappers or object patches compiling parts of it."""
+    found = []
+    for key, fns in model.wrappers.get(_apply_model_type(), {}).items():
+        if key == COMFY_COMPILE_KEY:
+            for fn in fns:
+                keys = _comfy_compiled_keys(fn) or ["?"]
+                if keys != ["diffusion_model"]:
+                    found.append(f"ComfyUI torch.compile wrapper on {', '.join(keys)}")
+    for key, obj in model.object_patches.items():
+        if isinstance(obj, torch._dynamo.eval_frame.OptimizedModule) or getattr(obj, "_compiled_call_impl", None):
+            found.append(f"compiled object patch {key}")
+    for name, mod in model.model.diffusion_model.named_modules():
+        if name and (isinstance(mod, torch._dynamo.eval_frame.OptimizedModule) or getattr(mod, "_compiled_call_impl", None)):
+            found.append(f"compiled submodule diffusion_model.{name}")
+    return found
+
+
+def cuda_graph_blockers(device: torch.device) -> list[str]:
+    """Process settings under which CUDA graphs cannot be used, with the launch flag that fixes each."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return []
+    out = []
+    try:
+        backend = torch.cuda.get_allocator_backend()
+    except (AttributeError, RuntimeError):
+        backend = "native"
+    if backend == "cudaMallocAsync":
+        out.append("ComfyUI runs PyTorch's cudaMallocAsync allocator (its default), which CUDA-graph memory pools "
+                   "do not support: start ComfyUI with --disable-cuda-malloc")
+    return out
+
+
+def _swap_in_factory(compiled: CompiledFlux):
+    def apply_compiled(executor, *args, **kwargs):
+        import comfy.utils
+
+        base = executor.class_obj
+        orig = comfy.utils.get_attr(base, "diffusion_model")
+        comfy.utils.set_attr(base, "diffusion_model", compiled)
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            comfy.utils.set_attr(base, "diffusion_model", orig)
+
+    apply_compiled.fluxaccel = compiled  # for Warmup, Benchmark and the editor badge
+    return apply_compiled
+
+
+def _refuse_partial_load(patcher, device_to, lowvram_model_memory, force_patch_weights, full_load):
+    require_fully_loaded(patcher, NODE)
+
+
+def apply_compile(model, cfg: CompileConfig, node: str = NODE):
+    """Return a clone of `model` whose diffusion model runs compiled (and graph-captured) as one module."""
+    dm = require_flux(model, node)
+    require_fully_loaded(model, node)
+    regional = regional_compiles(model)
+    if regional and cfg.cuda_graphs:
+        raise FluxAccelError(
+            f"{node}: the model already carries a per-block (regional) compile ({'; '.join(regional)}). CUDA graphs "
+            f"need the whole model compiled as one graph: remove the other compile node (e.g. TorchCompileModel with "
+            f"block keys) or turn cuda_graphs off.")
+    device = torch.device(model.load_device)
+    if cfg.cuda_graphs:
+        blockers = cuda_graph_blockers(device)
+        if blockers:
+            raise FluxAccelError(f"{node}: CUDA graphs cannot be used here: {'; '.join(blockers)}. Or set "
+                                 f"cuda_graphs off on this node.")
+    clone = model.clone()
+    wt = _apply_model_type()
+    clone.remove_wrappers_with_key(wt, COMPILE_KEY)
+    if clone.get_wrappers(wt, COMFY_COMPILE_KEY):
+        log.info("FluxAccel: replacing ComfyUI's whole-model torch.compile wrapper with FluxAccel's")
+        clone.remove_wrappers_with_key(wt, COMFY_COMPILE_KEY)
+        clone.model_options.pop("torch_compile_kwargs", None)
+    compiled = CompiledFlux(dm, cfg, device)
+    clone.add_wrapper_with_key(wt, COMPILE_KEY, _swap_in_factory(compiled))
+    clone.add_callback_with_key(_on_load_type(), COMPILE_KEY, _refuse_partial_load)
+    return clone, compiled
+
+
+def compiled_of(model) -> CompiledFlux | None:
+    """The CompiledFlux our wrapper put on this model, if any."""
+    for fn in model.get_wrappers(_apply_model_type(), COMPILE_KEY):
+        c = getattr(fn, "fluxaccel", None)
+        if c is not None:
+            return c
+    return None
+
+
+def remove_compile(model):
+    """A clone running the uncompiled model (the Benchmark's default baseline)."""
+    if compiled_of(model) is None:
+        return model
+    clone = model.clone()
+    clone.remove_wrappers_with_key(_apply_model_type(), COMPILE_KEY)
+    clone.remove_callbacks_with_key(_on_load_type(), COMPILE_KEY)
+    return clone
+
+
+def _on_load_type() -> str:
+    from comfy.patcher_extension import CallbacksMP
+
+    return CallbacksMP.ON_LOAD

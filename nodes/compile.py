@@ -1,0 +1,40 @@
+from comfy_api.latest import io, ui
+
+from ..core.compile import MODES, POLICIES, CompileConfig
+from ..core.compile_patch import apply_compile
+from . import ids
+
+
+class Compile(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id=ids.COMPILE,
+            display_name="Compile + CUDA Graph (FluxAccel)",
+            category=ids.CATEGORY,
+            description="torch.compile of the whole FLUX diffusion model (never per block) with CUDA graphs, for "
+                        "fixed-shape latents. Put it after Quantize FP8; add Warmup to compile before the first prompt.",
+            inputs=[
+                io.Model.Input("model", tooltip="A FLUX.1 model, optionally FP8-quantized by FluxAccel."),
+                io.Boolean.Input("cuda_graphs", default=True,
+                                 tooltip="Capture CUDA graphs (removes kernel-launch overhead). Needs ComfyUI started "
+                                         "with --disable-cuda-malloc and the model fully loaded."),
+                io.Combo.Input("mode", options=list(MODES), default="default",
+                               tooltip="default: fast compile. max-autotune(-no-cudagraphs): benchmark GEMM/kernel "
+                                       "choices at compile time (much longer first run)."),
+                io.Combo.Input("resolution_policy", options=list(POLICIES), default="strict",
+                               tooltip="strict: any other batch/resolution/prompt length is an error. recompile: "
+                                       "compile each new shape, up to max_shapes. eager_fallback: run other shapes "
+                                       "uncompiled, with a warning."),
+                io.Int.Input("max_shapes", default=4, min=1, max=64,
+                             tooltip="With resolution_policy recompile: how many shapes may be compiled."),
+            ],
+            outputs=[io.Model.Output(tooltip="The model, compiled on first use; the input model is unchanged.")],
+        )
+
+    @classmethod
+    def execute(cls, model, cuda_graphs, mode, resolution_policy, max_shapes) -> io.NodeOutput:
+        cfg = CompileConfig(cuda_graphs=cuda_graphs, mode=mode, resolution_policy=resolution_policy,
+                            max_shapes=max_shapes)
+        clone, _ = apply_compile(model, cfg)
+        return io.NodeOutput(clone, ui=ui.PreviewText(f"compile on first use: {cfg}"))

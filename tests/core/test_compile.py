@@ -1,0 +1,181 @@
+"""core/compile.py + compile_patch.py on the CPU: inductor's CPU backend, tiny FLUX, ComfyUI's real sampler.
+
+CUDA graphs themselves need a GPU (bench/results has the H200 runs); here cuda_graphs=True exercises the graph
+path's logic (a step mark per model call, output copies, the shape contract) with inductor's graph option off,
+which CompileConfig.inductor_options does for non-CUDA devices.
+"""
+import pytest
+import torch
+import torch._dynamo.utils as dynamo_utils
+
+from core.compile import CompileConfig, CompiledFlux, ShapeKey
+from core.compile_patch import apply_compile, compiled_of, regional_compiles, remove_compile
+from core.errors import FluxAccelError
+from core.metrics import rel_err
+from core.test_models import build_flux, synthetic_conditioning
+
+
+def _sample(model, seed=0, steps=2, cfg=1.0, sampler="euler", hw=16, text_len=16, text_seed=0, batch=1):
+    import comfy.sample
+
+    pos = synthetic_conditioning("tiny", text_len=text_len, seed=text_seed)
+    neg = synthetic_conditioning("tiny", text_len=text_len, seed=text_seed + 100)
+    latent = torch.zeros(batch, 16, hw, hw)
+    noise = comfy.sample.prepare_noise(latent, seed)
+    return comfy.sample.sample(model, noise, steps, cfg, sampler, "simple", pos, neg, latent, disable_pbar=True, seed=seed)
+
+
+def _denoise_once(model, hw=16, text_len=16):
+    """One apply_model call (the denoiser forward) through ComfyUI's BaseModel, compile wrapper included."""
+    import comfy.model_management as mm
+
+    mm.load_models_gpu([model])
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 16, hw, hw, generator=g)
+    pos = synthetic_conditioning("tiny", text_len=text_len)
+    ctx, extra = pos[0]
+    from comfy.patcher_extension import WrapperExecutor, WrappersMP, get_all_wrappers
+
+    bm = model.model
+    executor = WrapperExecutor.new_class_executor(bm._apply_model, bm, get_all_wrappers(
+        WrappersMP.APPLY_MODEL, model.model_options, is_model_options=True) + model.get_all_wrappers(WrappersMP.APPLY_MODEL))
+    return executor.execute(x, torch.tensor([0.7]), c_crossattn=ctx, transformer_options={},
+                            y=extra["pooled_output"], guidance=torch.tensor([3.5])).float()
+
+
+@pytest.fixture
+def counters():
+    dynamo_utils.counters.clear()
+    torch._dynamo.reset()
+    yield dynamo_utils.counters
+    torch._dynamo.reset()
+
+
+def _graphs(counters) -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def test_inductor_options_per_call():
+    cpu = CompileConfig(cuda_graphs=True).inductor_options(torch.device("cpu"))
+    assert cpu == {"triton.cudagraphs": False, "emulate_precision_casts": True}
+    gpu = CompileConfig(cuda_graphs=True, mode="max-autotune-no-cudagraphs").inductor_options(torch.device("cuda"))
+    assert gpu["triton.cudagraphs"] is True and gpu["max_autotune"] is True
+    assert CompileConfig(cuda_graphs=False, mode="max-autotune").inductor_options(torch.device("cuda"))["triton.cudagraphs"] is False
+
+
+def test_compiled_forward_matches_eager_bf16(tiny_flux, counters):
+    ref = _denoise_once(tiny_flux)
+    model, compiled = apply_compile(tiny_flux, CompileConfig())
+    out = _denoise_once(model)
+    assert compiled.stats.calls == 1 and _graphs(counters) >= 1
+    e = rel_err(out, ref)
+    assert e < 2e-2, e  # bf16: inductor fuses/reorders roundings; one forward stays within ~1%
+    assert torch.equal(_denoise_once(tiny_flux), ref), "the input model must stay uncompiled"
+
+
+def test_sampling_float32_compiled_equals_eager_one_compile_per_shape(counters):
+    base = build_flux("tiny", dtype=torch.float32)
+    ref = _sample(base, seed=1)
+    model, compiled = apply_compile(base, CompileConfig(resolution_policy="recompile"))
+    out = _sample(model, seed=1)
+    assert rel_err(out, ref) < 1e-4, rel_err(out, ref)  # float32: only summation order differs
+    graphs = _graphs(counters)
+    assert graphs >= 1 and compiled.stats.calls == 2
+    # other seeds and other prompt text of the same length: transformer_options differ (uuids, sigmas,
+    # wrappers, conds), yet no guard fires -> no new graph
+    _sample(model, seed=2, text_seed=5)
+    assert _graphs(counters) == graphs, "other seeds/prompt text must not recompile"
+    _sample(model, seed=3, steps=3, cfg=2.0, text_seed=9, batch=1)  # cfg>1 batches cond+uncond: batch 2
+    new_shape_graphs = _graphs(counters)
+    _sample(model, seed=4, cfg=2.0, text_seed=11)
+    assert _graphs(counters) == new_shape_graphs, "a repeated shape must not recompile"
+    assert compiled.stats.shapes == [ShapeKey(1, 16, 16, 16, "float32"), ShapeKey(2, 16, 16, 16, "float32")]
+
+
+def test_strict_policy_names_both_shapes(tiny_flux, counters):
+    model, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict"))
+    _denoise_once(model)
+    with pytest.raises(FluxAccelError, match=r"compiled for batch 1, latent 16x16 \(128x128 px\), 16 text tokens.*"
+                                             r"received batch 1, latent 24x24 \(192x192 px\).*resolution_policy"):
+        _denoise_once(model, hw=24)
+    with pytest.raises(FluxAccelError, match="received batch 1, latent 16x16 .*, 40 text tokens"):
+        _denoise_once(model, text_len=40)
+    _denoise_once(model)  # the compiled shape still works afterwards
+    assert compiled.stats.shapes == [ShapeKey(1, 16, 16, 16, "bfloat16")]
+
+
+def test_recompile_policy_up_to_max_shapes(tiny_flux, counters):
+    model, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="recompile", max_shapes=2))
+    _denoise_once(model)
+    g1 = _graphs(counters)
+    _denoise_once(model, hw=24)
+    assert _graphs(counters) > g1 and len(compiled.stats.shapes) == 2
+    with pytest.raises(FluxAccelError, match=r"already holds 2 shapes \(max_shapes 2\).*Raise max_shapes"):
+        _denoise_once(model, hw=32)
+
+
+def test_eager_fallback_runs_uncompiled(tiny_flux, counters):
+    ref24 = _denoise_once(tiny_flux, hw=24)
+    model, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="eager_fallback"))
+    _denoise_once(model)
+    g1 = _graphs(counters)
+    out = _denoise_once(model, hw=24)
+    assert compiled.stats.eager_calls == 1 and _graphs(counters) == g1
+    assert torch.equal(out, ref24)
+
+
+@pytest.mark.parametrize("cfg,sampler,evals_per_step", [(1.0, "euler", 1), (3.5, "euler", 1), (1.0, "heun", 2)])
+def test_one_graph_step_mark_per_model_call(tiny_flux, counters, monkeypatch, cfg, sampler, evals_per_step):
+    marks = []
+    real = torch.compiler.cudagraph_mark_step_begin
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: (marks.append(1), real())[1])
+    model, compiled = apply_compile(tiny_flux, CompileConfig(cuda_graphs=True))
+    calls = []
+
+    def count_calls(apply_model, args):  # ComfyUI's unet wrapper: one call per model evaluation
+        calls.append(args["input"].shape[0])
+        return apply_model(args["input"], args["timestep"], **args["c"])
+
+    model.set_model_unet_function_wrapper(count_calls)
+    steps = 3
+    _sample(model, steps=steps, cfg=cfg, sampler=sampler)
+    assert len(marks) == len(calls) == compiled.stats.marks == compiled.stats.calls
+    # heun: 2 evaluations per step except the last; cfg 3.5: cond+uncond batched into one call of batch 2
+    assert len(calls) == (steps * 2 - 1 if evals_per_step == 2 else steps)
+    assert set(calls) == ({2} if cfg > 1 else {1})
+
+
+def test_regional_compile_is_refused_with_graphs(tiny_flux):
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    regional = tiny_flux.clone()
+    set_torch_compile_wrapper(regional, backend="inductor", keys=["diffusion_model.double_blocks.0"])
+    assert regional_compiles(regional)
+    with pytest.raises(FluxAccelError, match=r"per-block \(regional\) compile.*double_blocks\.0.*cuda_graphs off"):
+        apply_compile(regional, CompileConfig(cuda_graphs=True))
+    apply_compile(regional, CompileConfig(cuda_graphs=False))  # allowed without graphs
+    whole = tiny_flux.clone()
+    set_torch_compile_wrapper(whole, backend="inductor")  # ComfyUI's TorchCompileModel: whole model
+    assert regional_compiles(whole) == []
+    ours, _ = apply_compile(whole, CompileConfig())
+    assert ours.get_wrappers("apply_model", "torch.compile") == [] and compiled_of(ours) is not None
+
+
+def test_compiling_twice_replaces_the_wrapper_and_remove_restores(tiny_flux):
+    m1, c1 = apply_compile(tiny_flux, CompileConfig())
+    m2, c2 = apply_compile(m1, CompileConfig(resolution_policy="recompile"))
+    assert len(m2.get_wrappers("apply_model", "fluxaccel.compile")) == 1 and compiled_of(m2) is c2
+    assert compiled_of(remove_compile(m2)) is None and compiled_of(tiny_flux) is None
+
+
+def test_fp8_then_compile(cpu_fp8, tiny_flux, counters):
+    from core.fp8 import Fp8Config
+    from core.fp8_patch import apply_fp8
+
+    for gran in ("per_tensor", "per_row"):
+        q, _ = apply_fp8(tiny_flux, Fp8Config(gran))
+        ref = _denoise_once(q)
+        model, compiled = apply_compile(q, CompileConfig())
+        out = _denoise_once(model)
+        assert compiled.stats.calls == 1
+        assert rel_err(out, ref) < 2e-2, (gran, rel_err(out, ref))
