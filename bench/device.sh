@@ -2,11 +2,15 @@
 # Runs the project's benchmark command on the lent GPU machine (no package index there).
 # Carry .gpu (built here by ../shared/gpu/fetch-kit.sh with
 #   EXTRA_WHEELS="comfyui-frontend-package==1.32.9" TORCHAO_VERSION=0.18.0)
-# and call:  bash bench/device.sh --case dev-1024-28 [more tools/bench.py args]
-# Results land in $OUT/results, the ComfyUI log in $OUT.
+# and call:  bash bench/device.sh --case dev-1024-28 [--suite compile] [more tools/bench.py args]
+# Results land in $OUT/results, the ComfyUI log in $OUT. FLUXACCEL_PROBES=1 first runs bench/probes/*.
 set -euo pipefail
 source .gpu/setup-on-device.sh
 export FLUXACCEL_HOST_NO_INSTALL=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 mkdir -p "$OUT/results"
+if [ -n "${FLUXACCEL_PROBES:-}" ]; then
+  PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync python3 bench/probes/cuda_graphs_allocator.py 2>&1 | grep PROBE || true
+  python3 bench/probes/cuda_graphs_allocator.py 2>&1 | grep PROBE || true
+fi
 python3 tools/bench.py "$@" --out "$OUT/results" --models-dir /tmp/fluxaccel-models --log "$OUT/comfyui-$(date +%s).log"

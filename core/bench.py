@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -111,22 +111,33 @@ def denoiser_outputs(model, case: BenchCase, positive, sigmas=FIDELITY_SIGMAS) -
     dev = model.load_device
     bm = model.model
     ctx, extra = positive[0]
+    # the batch the sampler runs (cond+uncond stacked when cfg > 1), so compiled models see a compiled shape
+    batch = case.batch * (2 if case.cfg > 1 else 1)
+    ctx = ctx.repeat(batch // ctx.shape[0], 1, 1)
+    extra = {**extra, "pooled_output": extra["pooled_output"].repeat(batch // extra["pooled_output"].shape[0], 1)}
     g = torch.Generator().manual_seed(case.seed + 1)
-    shape = (case.batch, bm.latent_format.latent_channels, case.height // 8, case.width // 8)
+    shape = (batch, bm.latent_format.latent_channels, case.height // 8, case.width // 8)
     x0 = torch.randn(shape, generator=g)
     noise = torch.randn(shape, generator=g)
     outs = []
-    kwargs = {"y": extra["pooled_output"].to(dev), "guidance": torch.full((case.batch,), float(extra.get("guidance", 3.5)), device=dev)}
+    kwargs = {"y": extra["pooled_output"].to(dev), "guidance": torch.full((batch,), float(extra.get("guidance", 3.5)), device=dev)}
     for s in sigmas:
-        sigma = torch.full((case.batch,), s, device=dev)
+        sigma = torch.full((batch,), s, device=dev)
         x = bm.model_sampling.noise_scaling(sigma.cpu(), noise, x0).to(dev)
         out = bm.apply_model(x, sigma, c_crossattn=ctx.to(dev), transformer_options={}, **kwargs)
         outs.append(out.float().cpu())
     return outs
 
 
+def _graph_skips() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
 def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negative,
-              on_progress: Callable[[str], None] | None = None, on_step: Callable | None = None) -> list[BenchRow]:
+              on_progress: Callable[[str], None] | None = None, on_step: Callable | None = None,
+              describe: Callable[[object], dict] | None = None) -> list[BenchRow]:
     """Measure each (label, ModelPatcher); the first one is the baseline (speedup and errors against it).
 
     on_progress(message) is told what runs; on_step(step, total) is called after every sampling step
@@ -135,7 +146,7 @@ def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negat
     say = on_progress or (lambda msg: log.info("%s", msg))
     dev = models[0][1].load_device
     latent = empty_latent(models[0][1], case)
-    first, latents, peaks = {}, {}, {}
+    first, latents, peaks, skips = {}, {}, {}, {}
     for label, m in models:
         say(f"{label}: first run (load, compile, capture)")
         import comfy.model_management as mm
@@ -143,8 +154,13 @@ def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negat
         _sync(dev)
         t0 = time.perf_counter()
         mm.load_models_gpu([m])
+        before = _graph_skips()
         out, _, _ = sample_timed(m, case, positive, negative, latent, on_step)
         first[label] = time.perf_counter() - t0
+        skips[label] = _graph_skips() - before
+        if skips[label]:
+            log.warning("%s: inductor skipped CUDA graphs %d time(s) while compiling (see TORCH_LOGS=perf_hints)",
+                        label, skips[label])
         latents[label] = out
     times = {label: [] for label, _ in models}
     steps = {label: [] for label, _ in models}
@@ -154,6 +170,8 @@ def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negat
             import comfy.model_management as mm
 
             mm.load_models_gpu([m])
+            # one untimed step: after a model switch, weights may sit at new addresses and CUDA graphs re-record
+            sample_timed(m, replace(case, steps=1), positive, negative, latent)
             _reset_peak(dev)
             _, secs, st = sample_timed(m, case, positive, negative, latent, on_step)
             peak = _peak_gib(dev)
@@ -175,6 +193,7 @@ def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negat
             step_times=step_med, peak_vram_gib=peaks.get(label), denoiser_rel_err=rel_err(cat_o, cat_r),
             denoiser_sqnr_db=sqnr_db(cat_o, cat_r), denoiser_rel_err_per_sigma=per_sigma,
             final_latent_rel_err=rel_err(latents[label], latents[base]),
+            extra={"cudagraph_skips_at_first_run": skips[label], **(describe(dict(models)[label]) if describe else {})},
         ))
     base_med = rows[0].s_per_image_median
     for row in rows:

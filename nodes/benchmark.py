@@ -11,14 +11,9 @@ from comfy_api.latest import io
 from ..core import env
 from ..core.bench import BenchCase, benchmark, markdown_table, rows_to_dicts
 from ..core.flux import require_flux
-from ..core.fp8_patch import FP8_KEY, remove_fp8
+from ..core import patches
 from ..core.test_models import synthetic_conditioning_for
 from . import ids
-
-
-def _label(model) -> str:
-    fp8 = model.model_options.get(FP8_KEY)
-    return f"fp8-{fp8['config'][0]}" if fp8 else "bf16"
 
 
 class Benchmark(io.ComfyNode):
@@ -56,14 +51,17 @@ class Benchmark(io.ComfyNode):
     def execute(cls, model, text_length, width, height, steps, runs, seed, cfg, sampler_name, scheduler, label,
                 baseline=None, positive=None) -> io.NodeOutput:
         dm = require_flux(model, "Benchmark (FluxAccel)")
-        base = baseline if baseline is not None else remove_fp8(model)
+        base = baseline if baseline is not None else patches.strip(model)
         positive = positive or synthetic_conditioning_for(dm, text_length, seed=seed)
         negative = synthetic_conditioning_for(dm, positive[0][0].shape[1], seed=seed + 1)
         case = BenchCase(width=width, height=height, steps=steps, runs=runs, seed=seed, cfg=cfg,
                          sampler=sampler_name, scheduler=scheduler)
-        models = [("eager-" + _label(base), base), (label or _label(model), model)]
+        base_label = patches.label(base)
+        models = [(base_label if "compile" in base_label else "eager-" + base_label, base),
+                  (label or patches.label(model), model)]
         pbar = comfy.utils.ProgressBar(len(models) * (runs + 1) * steps)
-        rows = benchmark(models, case, positive, negative, on_step=lambda step, total: pbar.update(1))
+        rows = benchmark(models, case, positive, negative, on_step=lambda step, total: pbar.update(1),
+                         describe=patches.describe)
         table = markdown_table(rows, case)
         out_dir = os.path.join(folder_paths.get_output_directory(), "fluxaccel")
         os.makedirs(out_dir, exist_ok=True)

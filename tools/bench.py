@@ -35,7 +35,13 @@ CASES = {
     "dev-1024-28": dict(shape="dev", width=1024, height=1024, steps=28, text_length=512, runs=3),
     "schnell-512-4": dict(shape="schnell", width=512, height=512, steps=4, text_length=256, runs=5),
 }
-WORKFLOW = ROOT / "example_workflows" / "fluxaccel_fp8_benchmark.api.json"
+WORKFLOWS = {
+    # suite: (workflow, ComfyUI launch flags it needs on a GPU)
+    "fp8": ("fluxaccel_fp8_benchmark.api.json", []),
+    "compile": ("fluxaccel_compile_benchmark.api.json", ["--disable-cuda-malloc"]),
+    "samplers": ("fluxaccel_compile_benchmark.api.json", ["--disable-cuda-malloc"]),
+}
+SWEEP_SAMPLERS = ["euler", "heun", "dpmpp_2m", "dpmpp_2m_sde", "uni_pc"]
 
 
 def _gpu() -> str | None:
@@ -44,11 +50,22 @@ def _gpu() -> str | None:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
-def build_prompt(case: dict, unet_name: str, runs: int) -> dict:
-    wf = json.loads(WORKFLOW.read_text())
+def build_prompt(case: dict, unet_name: str, runs: int, suite: str = "fp8") -> dict:
+    wf = json.loads((ROOT / "example_workflows" / WORKFLOWS[suite][0]).read_text())
     prompt = copy.deepcopy(wf)
     prompt["1"]["inputs"]["unet_name"] = unet_name
     prompt["2"]["inputs"]["text_length"] = case["text_length"]
+    if suite == "samplers":
+        # CUDA graphs vs the same compile without graphs, per sampler (cfg 1, batch 1) and for cfg 3.5 (batch 2)
+        template = next(n for n in prompt.values() if n["class_type"] == "FluxAccelBenchmark")
+        prompt = {k: v for k, v in prompt.items() if v["class_type"] != "FluxAccelBenchmark"}
+        runs_cfg = [(s, 1.0) for s in SWEEP_SAMPLERS] + [("euler", 3.5)]
+        for i, (sampler, cfg) in enumerate(runs_cfg):
+            node = copy.deepcopy(template)
+            node["inputs"].update(model=["7", 0], baseline=["8", 0], sampler_name=sampler, cfg=cfg, runs=1)
+            node["_meta"] = {"title": f"graphs vs no graphs: {sampler}, cfg {cfg}"}
+            prompt[str(20 + i)] = node
+        runs = 1
     for node in prompt.values():
         if node["class_type"] == "FluxAccelBenchmark":
             node["inputs"].update(width=case["width"], height=case["height"], steps=case["steps"], runs=runs,
@@ -56,11 +73,25 @@ def build_prompt(case: dict, unet_name: str, runs: int) -> dict:
     return prompt
 
 
+def _row_name(row: dict, case: dict) -> str:
+    name = row["config"]
+    if case["sampler"] != "euler":
+        name += f"@{case['sampler']}"
+    if case["cfg"] != 1.0:
+        name += f"@cfg{case['cfg']:g}"
+    return name
+
+
 def merge_results(bench_files: list[dict]) -> list[dict]:
-    """One row per config: the eager row of the first Benchmark node, then each node's accelerated row."""
-    rows = [dict(bench_files[0]["results"][0], config="eager-bf16")]
-    for f in bench_files:
-        rows.append(f["results"][1])
+    """One row per config: the first Benchmark node's baseline row, then each node's accelerated row (and its
+    baseline row too where that baseline differs from the first one, e.g. in the sampler sweep)."""
+    first_base = bench_files[0]["results"][0]["config"]
+    rows = []
+    for i, f in enumerate(bench_files):
+        base, accel = f["results"][0], f["results"][1]
+        if i == 0 or base["config"] != first_base or f["case"]["sampler"] != "euler" or f["case"]["cfg"] != 1.0:
+            rows.append(dict(base, config=_row_name(base, f["case"])))
+        rows.append(dict(accel, config=_row_name(accel, f["case"])))
     return rows
 
 
@@ -69,6 +100,9 @@ def main(argv=None) -> int:
     ap.add_argument("--case", choices=sorted(CASES), help="default: dev-1024-28 on a GPU, tiny-cpu without")
     ap.add_argument("--checkpoint", help="a real bf16 FLUX diffusion-model .safetensors to use instead of random weights")
     ap.add_argument("--runs", type=int, help="timed runs per config (default per case)")
+    ap.add_argument("--suite", choices=sorted(WORKFLOWS), default="fp8",
+                    help="fp8: eager vs FP8; compile: eager vs compile/graphs/FP8 variants; samplers: graphs vs no "
+                         "graphs for each sampler and cfg 3.5")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder for the results JSON")
     ap.add_argument("--models-dir", default=str(ROOT / ".cache" / "models"), help="where random-weight models are cached")
     ap.add_argument("--server-arg", action="append", default=[], help="extra ComfyUI launch flag (repeatable)")
@@ -105,13 +139,35 @@ def main(argv=None) -> int:
         weights = f"random weights, FLUX shape '{case['shape']}'"
 
     server_args = list(a.server_arg)
+    if gpu:
+        server_args += [f for f in WORKFLOWS[a.suite][1] if f not in server_args]
     env = {}
     if not gpu:
         # No GPU: ComfyUI on the CPU in bf16; FP8 through torchao's real Float8Tensor path on the CPU (slow,
         # a functional demo, not a speedup).
         server_args += ["--cpu", "--bf16-unet"]
         env["FLUXACCEL_ALLOW_CPU_FP8"] = "1"
-    prompt = build_prompt(case, unet_name, runs)
+    prompt = build_prompt(case, unet_name, runs, a.suite)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "cpu" if not gpu else gpu.lower().replace(" ", "-")
+    path = out / (f"{tag}-{case_name}.json" if a.suite == "fp8" else f"{tag}-{case_name}-{a.suite}.json")
+    files: list[dict] = []
+
+    def write(complete: bool) -> None:
+        result = {
+            "case": case_name,
+            "suite": a.suite,
+            "gpu": gpu or "cpu",
+            "command": "python tools/bench.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])),
+            "env": files[0]["env"],
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "weights": weights,
+            "settings": {**case, "runs": runs, "server_args": server_args},
+            "complete": complete,
+            "results": merge_results(files),
+        }
+        path.write_text(json.dumps(result, indent=2) + "\n")
     from tqdm import tqdm
 
     with tempfile.TemporaryDirectory(prefix="fluxaccel-bench-") as work:
@@ -122,6 +178,10 @@ def main(argv=None) -> int:
             titles = {k: v.get("_meta", {}).get("title", v["class_type"]) for k, v in prompt.items()}
 
             def on_event(kind: str, data: dict) -> None:
+                if kind == "executed":  # a Benchmark node finished: record its rows now (partial results survive)
+                    for rel in (data.get("output") or {}).get("fluxaccel_json", []):
+                        files.append(json.loads((server.output_dir / rel).read_text()))
+                        write(complete=False)
                 if kind == "executing" and data.get("node"):
                     tqdm.write(f"running: {titles.get(data['node'], data['node'])}")
                 elif kind == "progress":
@@ -132,13 +192,9 @@ def main(argv=None) -> int:
                     bar.n = data["value"]
                     bar.refresh()
 
-            hist = server.run_following(prompt, on_event)
+            server.run_following(prompt, on_event)
             for bar in bars.values():
                 bar.close()
-            files = []
-            for node_id in sorted(hist["outputs"], key=int):
-                for rel in hist["outputs"][node_id].get("fluxaccel_json", []):
-                    files.append(json.loads((server.output_dir / rel).read_text()))
         finally:
             server.stop()
             if a.log:
@@ -147,22 +203,8 @@ def main(argv=None) -> int:
                 shutil.copy(server.log_path, a.log)
     if not files:
         raise SystemExit("the workflow produced no benchmark results; see the ComfyUI log above")
+    write(complete=True)
     rows = merge_results(files)
-    device = (gpu or "cpu").lower().replace(" ", "-")
-    result = {
-        "case": case_name,
-        "gpu": gpu or "cpu",
-        "command": "python tools/bench.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])),
-        "env": files[0]["env"],
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "weights": weights,
-        "settings": {**case, "runs": runs, "server_args": server_args},
-        "results": rows,
-    }
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{'cpu' if not gpu else device}-{case_name}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
     print()
     print(f"FluxAccel benchmark, case {case_name} on {gpu or 'CPU'} ({weights}):")
     print(table(rows))

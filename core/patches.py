@@ -1,0 +1,39 @@
+"""What FluxAccel has applied to a ModelPatcher: a label, a description, and the model without it."""
+from __future__ import annotations
+
+from .compile_patch import compiled_of, remove_compile
+from .fp8_patch import FP8_KEY, remove_fp8
+
+
+def label(model) -> str:
+    """e.g. 'bf16', 'fp8-per_row', 'fp8-per_row+compile+graphs'."""
+    fp8 = model.model_options.get(FP8_KEY)
+    name = f"fp8-{fp8['config'][0]}" if fp8 else "bf16"
+    c = compiled_of(model)
+    if c is not None:
+        name += "+compile" + ("+graphs" if c.cfg.cuda_graphs else "")
+        if c.cfg.mode != "default":
+            name += f"+{c.cfg.mode}"
+    return name
+
+
+def describe(model) -> dict:
+    out = {"label": label(model)}
+    fp8 = model.model_options.get(FP8_KEY)
+    if fp8:
+        r = fp8["report"]
+        out["fp8"] = {"granularity": r["granularity"], "scope": r["scope"], "quantized": len(r["quantized"]),
+                      "bytes_saved": r["bytes_before"] - r["bytes_after"]}
+    c = compiled_of(model)
+    if c is not None:
+        st = c.stats
+        out["compile"] = {"cuda_graphs": c.cfg.cuda_graphs, "mode": c.cfg.mode, "policy": c.cfg.resolution_policy,
+                          "shapes": [k.describe() for k in st.shapes],
+                          "compile_seconds": {k.describe(): round(v, 2) for k, v in st.compile_seconds.items()},
+                          "calls": st.calls, "graph_step_marks": st.marks, "eager_calls": st.eager_calls}
+    return out
+
+
+def strip(model):
+    """The same model with every FluxAccel patch removed (the Benchmark's default baseline)."""
+    return remove_fp8(remove_compile(model))
