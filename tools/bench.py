@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder for the results JSON")
     ap.add_argument("--models-dir", default=str(ROOT / ".cache" / "models"), help="where random-weight models are cached")
     ap.add_argument("--server-arg", action="append", default=[], help="extra ComfyUI launch flag (repeatable)")
+    ap.add_argument("--only", help="run only the Benchmark nodes whose title contains this text")
     ap.add_argument("--log", help="copy the ComfyUI server log here when done (also on failure)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[fluxaccel] %(message)s")
@@ -148,6 +149,9 @@ def main(argv=None) -> int:
         server_args += ["--cpu", "--bf16-unet"]
         env["FLUXACCEL_ALLOW_CPU_FP8"] = "1"
     prompt = build_prompt(case, unet_name, runs, a.suite)
+    if a.only:
+        prompt = {k: v for k, v in prompt.items()
+                  if v["class_type"] != "FluxAccelBenchmark" or a.only in v.get("_meta", {}).get("title", "")}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "cpu" if not gpu else gpu.lower().replace(" ", "-")
