@@ -155,7 +155,10 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "cpu" if not gpu else gpu.lower().replace(" ", "-")
-    path = out / (f"{tag}-{case_name}.json" if a.suite == "fp8" else f"{tag}-{case_name}-{a.suite}.json")
+    stem = f"{tag}-{case_name}" + ("" if a.suite == "fp8" else f"-{a.suite}")
+    if a.only:
+        stem += "-" + "".join(c if c.isalnum() else "-" for c in a.only.lower()).strip("-")
+    path = out / f"{stem}.json"
     files: list[dict] = []
 
     def write(complete: bool) -> None:
