@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from .comfy_compat import foreign_graph_compilers, require_compatible
 from .compile import CompileConfig, CompiledFlux
 from .errors import FluxAccelError
 from .flux import require_flux, require_fully_loaded
@@ -94,7 +95,8 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
     """Return a clone of `model` whose diffusion model runs compiled (and graph-captured) as one module."""
     dm = require_flux(model, node)
     require_fully_loaded(model, node)
-    regional = regional_compiles(model)
+    require_compatible(model, dm, node)
+    regional = regional_compiles(model) + foreign_graph_compilers(model)
     if regional and cfg.cuda_graphs:
         raise FluxAccelError(
             f"{node}: the model already carries a per-block (regional) compile ({'; '.join(regional)}). CUDA graphs "

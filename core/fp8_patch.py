@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .comfy_compat import require_compatible
 from .env import require_fp8_device, require_torchao
 from .errors import FluxAccelError
 from .flux import require_bf16_weights, require_flux, require_fully_loaded
@@ -98,7 +99,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     Quantizing a model that already carries the same FP8 config is a no-op (the same model is returned);
     a different config re-quantizes from the original bf16 weights, never from FP8.
     """
-    require_flux(model, node)
+    dm = require_flux(model, node)
     require_torchao()
     require_fully_loaded(model, node)
     prev = model.model_options.get(FP8_KEY)
@@ -108,6 +109,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
         return model, report
     device = torch.device(model.load_device)
     require_fp8_device(device)
+    require_compatible(model, dm, node)
 
     originals = original_linears(model)
     probe = torch.nn.ModuleList(originals.values())
