@@ -121,6 +121,16 @@ class CompiledFlux(torch.nn.Module):
     def graphs(self) -> bool:
         return self.cfg.cuda_graphs
 
+    def register_shape(self, key: ShapeKey) -> None:
+        """Allow a shape explicitly (the Warmup node), whatever the resolution policy; bounded by max_shapes."""
+        if key in self.stats.shapes:
+            return
+        if len(self.stats.shapes) >= self.cfg.max_shapes:
+            raise FluxAccelError(
+                f"Warmup asks for more shapes than the Compile node's max_shapes ({self.cfg.max_shapes}); compiled: "
+                f"{'; '.join(k.describe() for k in self.stats.shapes)}; asked: {key.describe()}. Raise max_shapes.")
+        self.stats.shapes.append(key)
+
     def allow_shape(self, key: ShapeKey) -> bool:
         """Register a shape (Warmup, or the first call). False: run eagerly. Raises under strict/recompile."""
         if key in self.stats.shapes:

@@ -4,8 +4,9 @@ from .benchmark import Benchmark
 from .compile import Compile
 from .conditioning import SyntheticConditioning
 from .quantize import QuantizeFP8
+from .warmup import Warmup
 
-NODES = [QuantizeFP8, Compile, Benchmark, SyntheticConditioning]
+NODES = [QuantizeFP8, Compile, Warmup, Benchmark, SyntheticConditioning]
 
 
 class FluxAccelExtension(ComfyExtension):

@@ -6,9 +6,9 @@ from dataclasses import asdict
 import comfy.samplers
 import comfy.utils
 import folder_paths
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
-from ..core import env
+from ..core import chart, env
 from ..core.bench import BenchCase, benchmark, markdown_table, rows_to_dicts
 from ..core.flux import require_flux
 from ..core import patches
@@ -44,7 +44,7 @@ class Benchmark(io.ComfyNode):
                 io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="simple", tooltip="Scheduler."),
                 io.String.Input("label", default="", tooltip="Name of the accelerated row; empty: derived from the model's patches."),
             ],
-            outputs=[io.String.Output(display_name="table")],
+            outputs=[io.String.Output(display_name="table"), io.Image.Output(display_name="chart")],
         )
 
     @classmethod
@@ -69,4 +69,6 @@ class Benchmark(io.ComfyNode):
         with open(os.path.join(out_dir, name), "w") as f:
             json.dump({"case": asdict(case), "text_length": positive[0][0].shape[1], "env": env.describe(),
                        "results": rows_to_dicts(rows), "table": table}, f, indent=2)
-        return io.NodeOutput(table, ui={"text": [table], "fluxaccel_json": [f"fluxaccel/{name}"]})
+        image = chart.to_image_tensor(chart.render(rows_to_dicts(rows)))
+        preview = ui.PreviewImage(image, cls=cls).as_dict()
+        return io.NodeOutput(table, image, ui={**preview, "text": [table], "fluxaccel_json": [f"fluxaccel/{name}"]})

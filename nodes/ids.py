@@ -2,5 +2,6 @@
 CATEGORY = "FluxAccel"
 QUANTIZE_FP8 = "FluxAccelQuantizeFP8"
 COMPILE = "FluxAccelCompile"
+WARMUP = "FluxAccelWarmup"
 BENCHMARK = "FluxAccelBenchmark"
 SYNTHETIC_CONDITIONING = "FluxAccelSyntheticConditioning"

@@ -43,7 +43,7 @@ def _run(block: bool) -> str:
     return p.stdout
 
 
-EXPECTED_NODES = "['FluxAccelBenchmark', 'FluxAccelCompile', 'FluxAccelQuantizeFP8', 'FluxAccelSyntheticConditioning']"
+EXPECTED_NODES = "['FluxAccelBenchmark', 'FluxAccelCompile', 'FluxAccelQuantizeFP8', 'FluxAccelSyntheticConditioning', 'FluxAccelWarmup']"
 
 
 def test_loads_as_comfyui_custom_node():

@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     if not gpu:
         # No GPU: ComfyUI on the CPU in bf16; FP8 through torchao's real Float8Tensor path on the CPU (slow,
         # a functional demo, not a speedup).
-        server_args += ["--cpu", "--bf16-unet"]
+        server_args += list(host.CPU_SERVER_ARGS)
         env["FLUXACCEL_ALLOW_CPU_FP8"] = "1"
     prompt = build_prompt(case, unet_name, runs, a.suite)
     if a.only:
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     if a.only:
         stem += "-" + "".join(c if c.isalnum() else "-" for c in a.only.lower()).strip("-")
     path = out / f"{stem}.json"
-    files: list[dict] = []
+    files: list[tuple[int, dict]] = []  # (node id, benchmark file), in completion order
 
     def write(complete: bool) -> None:
         result = {
@@ -167,12 +167,12 @@ def main(argv=None) -> int:
             "suite": a.suite,
             "gpu": gpu or "cpu",
             "command": "python tools/bench.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])),
-            "env": files[0]["env"],
+            "env": files[0][1]["env"],
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "weights": weights,
             "settings": {**case, "runs": runs, "server_args": server_args},
             "complete": complete,
-            "results": merge_results(files),
+            "results": merge_results([f for _, f in sorted(files, key=lambda x: x[0])]),
         }
         path.write_text(json.dumps(result, indent=2) + "\n")
     from tqdm import tqdm
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
             def on_event(kind: str, data: dict) -> None:
                 if kind == "executed":  # a Benchmark node finished: record its rows now (partial results survive)
                     for rel in (data.get("output") or {}).get("fluxaccel_json", []):
-                        files.append(json.loads((server.output_dir / rel).read_text()))
+                        files.append((int(data["node"]), json.loads((server.output_dir / rel).read_text())))
                         write(complete=False)
                 if kind == "executing" and data.get("node"):
                     tqdm.write(f"running: {titles.get(data['node'], data['node'])}")
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     if not files:
         raise SystemExit("the workflow produced no benchmark results; see the ComfyUI log above")
     write(complete=True)
-    rows = merge_results(files)
+    rows = merge_results([f for _, f in sorted(files, key=lambda x: x[0])])
     print()
     print(f"FluxAccel benchmark, case {case_name} on {gpu or 'CPU'} ({weights}):")
     print(table(rows))

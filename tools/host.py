@@ -136,7 +136,13 @@ def import_comfy(cdir: Path | None = None):
 
     if not torch.cuda.is_available():
         comfy.cli_args.args.cpu = True
+        # PyTorch SDPA attention as on GPUs: ComfyUI's CPU default (sub-quadratic attention) queries free memory
+        # inside the model, which under torch.compile breaks the graph and guards on memory readings.
+        comfy.cli_args.args.use_pytorch_cross_attention = True
     return cdir
+
+
+CPU_SERVER_ARGS = ("--cpu", "--bf16-unet", "--use-pytorch-cross-attention")
 
 
 def main() -> None:

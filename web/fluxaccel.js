@@ -6,6 +6,7 @@ import { ComfyWidgets } from "../../scripts/widgets.js";
 export const FLUXACCEL_NODE_IDS = [
   "FluxAccelQuantizeFP8",
   "FluxAccelCompile",
+  "FluxAccelWarmup",
   "FluxAccelBenchmark",
   "FluxAccelSyntheticConditioning",
 ];

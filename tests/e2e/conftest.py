@@ -6,6 +6,7 @@ import pytest
 
 from conftest import COMFY_DIR, ROOT
 from tools.comfy_server import ComfyServer
+from tools.host import CPU_SERVER_ARGS
 
 MODELS_DIR = ROOT / ".cache" / "models"
 E2E_UNET = "fluxaccel-random-e2e.safetensors"
@@ -22,7 +23,7 @@ def e2e_model_file():
 def server(e2e_model_file):
     work = Path(tempfile.mkdtemp(prefix="fluxaccel-e2e-"))
     # CPU ComfyUI in bf16, FP8 via torchao's real Float8Tensor path on the CPU (opt-in env, see tests/conftest.py)
-    srv = ComfyServer(COMFY_DIR, work, MODELS_DIR, ("--cpu", "--bf16-unet"), env={"FLUXACCEL_ALLOW_CPU_FP8": "1"})
+    srv = ComfyServer(COMFY_DIR, work, MODELS_DIR, CPU_SERVER_ARGS, env={"FLUXACCEL_ALLOW_CPU_FP8": "1"})
     srv.start()
     yield srv
     srv.stop()

@@ -1,0 +1,69 @@
+"""Warm up a compiled FLUX model: real sampling at each shape a workflow will use, so compile and CUDA-graph
+capture happen before the first real prompt, and each shape becomes an allowed shape of the compiled model."""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Callable
+
+import torch
+
+from .compile import shape_key
+from .compile_patch import compiled_of
+from .errors import FluxAccelError
+from .flux import require_flux
+from .test_models import synthetic_conditioning_for
+
+log = logging.getLogger("fluxaccel.warmup")
+
+
+def parse_resolutions(text: str) -> list[tuple[int, int]]:
+    """'1024x1024, 832x1216' -> [(1024, 1024), (832, 1216)] as (width, height); multiples of 16 only."""
+    out = []
+    for part in re.split(r"[,;\s]+", text.strip()):
+        if not part:
+            continue
+        m = re.fullmatch(r"(\d+)\s*[x×X*]\s*(\d+)", part)
+        if not m:
+            raise FluxAccelError(f"Warmup: cannot read resolution {part!r}; write WIDTHxHEIGHT, e.g. 1024x1024, 832x1216")
+        w, h = int(m.group(1)), int(m.group(2))
+        if w % 16 or h % 16 or w < 16 or h < 16:
+            raise FluxAccelError(f"Warmup: {w}x{h} is not a FLUX resolution; width and height must be multiples of 16")
+        if (w, h) not in out:
+            out.append((w, h))
+    if not out:
+        raise FluxAccelError("Warmup: no resolution given; write e.g. 1024x1024")
+    return out
+
+
+def warmup(model, resolutions: list[tuple[int, int]], batch_size: int = 1, text_length: int = 256, cfg: float = 1.0,
+           steps: int = 2, positive=None, negative=None, sampler: str = "euler", scheduler: str = "simple",
+           on_step: Callable[[], None] | None = None) -> dict[str, float]:
+    """Sample `steps` steps at each resolution; returns {shape description: seconds of its first sampling run}."""
+    import comfy.sample
+
+    dm = require_flux(model, "Warmup (FluxAccel)")
+    compiled = compiled_of(model)
+    if positive is None:
+        positive = synthetic_conditioning_for(dm, text_length)
+    if negative is None:
+        negative = synthetic_conditioning_for(dm, positive[0][0].shape[1], seed=1)
+    text_len = positive[0][0].shape[1]
+    model_batch = batch_size * (2 if cfg > 1 else 1)  # ComfyUI batches cond and uncond into one call
+    dtype = model.model.get_dtype() if model.model.manual_cast_dtype is None else model.model.manual_cast_dtype
+    ch = model.model.latent_format.latent_channels
+    seconds = {}
+    for w, h in resolutions:
+        key = shape_key(torch.empty(model_batch, ch, h // 8, w // 8, dtype=dtype, device="meta"),
+                        torch.empty(1, text_len, 1, device="meta"))
+        if compiled is not None:
+            compiled.register_shape(key)
+        latent = torch.zeros(batch_size, ch, h // 8, w // 8)
+        noise = comfy.sample.prepare_noise(latent, 0)
+        t0 = time.perf_counter()
+        comfy.sample.sample(model, noise, steps, cfg, sampler, scheduler, positive, negative, latent,
+                            callback=(lambda *a: on_step()) if on_step else None, disable_pbar=True, seed=0)
+        seconds[key.describe()] = time.perf_counter() - t0
+        log.info("FluxAccel warmup: %s ready in %.1f s", key.describe(), seconds[key.describe()])
+    return seconds

@@ -1,0 +1,49 @@
+"""core/warmup.py: shapes registered and compiled before the real run; the real run compiles nothing."""
+import pytest
+import torch
+import torch._dynamo.utils as dynamo_utils
+
+from core.compile import CompileConfig, ShapeKey
+from core.compile_patch import apply_compile
+from core.errors import FluxAccelError
+from core.test_models import synthetic_conditioning
+from core.warmup import parse_resolutions, warmup
+
+
+def test_parse_resolutions():
+    assert parse_resolutions("1024x1024, 832x1216") == [(1024, 1024), (832, 1216)]
+    assert parse_resolutions(" 128X128;128x128  64×64") == [(128, 128), (64, 64)]
+    with pytest.raises(FluxAccelError, match="multiples of 16"):
+        parse_resolutions("1000x1000")
+    with pytest.raises(FluxAccelError, match="WIDTHxHEIGHT"):
+        parse_resolutions("big")
+
+
+def test_warmup_then_real_runs_compile_nothing(tiny_flux):
+    import comfy.sample
+
+    dynamo_utils.counters.clear()
+    torch._dynamo.reset()
+    model, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict"))
+    ticks = []
+    secs = warmup(model, [(128, 128), (128, 192)], text_length=16, cfg=1.0, steps=2, on_step=lambda: ticks.append(1))
+    assert len(ticks) == 4 and len(secs) == 2 and all(s > 0 for s in secs.values())
+    assert compiled.stats.shapes == [ShapeKey(1, 16, 16, 16, "bfloat16"), ShapeKey(1, 24, 16, 16, "bfloat16")]
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    assert graphs == 2  # one graph per warmed shape
+    pos = synthetic_conditioning("tiny", text_len=16, seed=42)
+    for h, w in ((16, 16), (24, 16)):  # the user's prompts: other text, other seed, both warmed shapes
+        latent = torch.zeros(1, 16, h, w)
+        comfy.sample.sample(model, comfy.sample.prepare_noise(latent, 7), 3, 1.0, "euler", "simple", pos, pos, latent,
+                            disable_pbar=True, seed=7)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "warmed shapes must not compile again"
+    with pytest.raises(FluxAccelError, match="compiled for batch 1, latent 16x16 .*; batch 1, latent 24x16"):
+        latent = torch.zeros(1, 16, 32, 32)
+        comfy.sample.sample(model, latent, 1, 1.0, "euler", "simple", pos, pos, latent, disable_pbar=True, seed=0)
+    torch._dynamo.reset()
+
+
+def test_warmup_respects_max_shapes(tiny_flux):
+    model, _ = apply_compile(tiny_flux, CompileConfig(max_shapes=1))
+    with pytest.raises(FluxAccelError, match="more shapes than the Compile node's max_shapes \\(1\\)"):
+        warmup(model, [(128, 128), (192, 128)], text_length=16, steps=1)
