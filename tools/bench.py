@@ -1,4 +1,4 @@
-"""Headless benchmark: a real ComfyUI server on 127.0.0.1 runs example_workflows/ through POST /prompt.
+"""Headless benchmark: a real ComfyUI server on 127.0.0.1 runs example_workflows/api/ through POST /prompt.
 
     python tools/bench.py                     # tiny-cpu without a GPU, dev-1024-28 with one
     python tools/bench.py --case schnell-512-4
@@ -37,9 +37,9 @@ CASES = {
 }
 WORKFLOWS = {
     # suite: (workflow, ComfyUI launch flags it needs on a GPU)
-    "fp8": ("fluxaccel_fp8_benchmark.api.json", []),
-    "compile": ("fluxaccel_compile_benchmark.api.json", ["--disable-cuda-malloc"]),
-    "samplers": ("fluxaccel_compile_benchmark.api.json", ["--disable-cuda-malloc"]),
+    "fp8": ("fluxaccel_fp8_benchmark.json", []),
+    "compile": ("fluxaccel_compile_benchmark.json", ["--disable-cuda-malloc"]),
+    "samplers": ("fluxaccel_compile_benchmark.json", ["--disable-cuda-malloc"]),
 }
 SWEEP_SAMPLERS = ["euler", "heun", "dpmpp_2m", "dpmpp_2m_sde", "uni_pc"]
 
@@ -51,7 +51,7 @@ def _gpu() -> str | None:
 
 
 def build_prompt(case: dict, unet_name: str, runs: int, suite: str = "fp8") -> dict:
-    wf = json.loads((ROOT / "example_workflows" / WORKFLOWS[suite][0]).read_text())
+    wf = json.loads((ROOT / "example_workflows" / "api" / WORKFLOWS[suite][0]).read_text())
     prompt = copy.deepcopy(wf)
     prompt["1"]["inputs"]["unet_name"] = unet_name
     prompt["2"]["inputs"]["text_length"] = case["text_length"]

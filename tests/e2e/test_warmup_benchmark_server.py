@@ -1,0 +1,44 @@
+"""Warmup and Benchmark nodes in a real ComfyUI server: progress over the websocket, a chart the editor can
+preview, a table and a results JSON; the benchmark after Warmup compiles nothing new."""
+import json
+import math
+
+import pytest
+
+from .conftest import E2E_UNET
+
+pytestmark = pytest.mark.e2e
+
+
+def test_warmup_then_benchmark(server):
+    prompt = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": E2E_UNET, "weight_dtype": "default"}},
+        "2": {"class_type": "FluxAccelCompile", "inputs": {"model": ["1", 0], "cuda_graphs": True, "mode": "default",
+                                                           "resolution_policy": "strict", "max_shapes": 4}},
+        "3": {"class_type": "FluxAccelWarmup", "inputs": {"model": ["2", 0], "resolutions": "64x64", "batch_size": 1,
+                                                          "text_length": 16, "cfg": 1.0, "steps": 2}},
+        "4": {"class_type": "FluxAccelBenchmark", "inputs": {"model": ["3", 0], "text_length": 16, "width": 64,
+                                                             "height": 64, "steps": 2, "runs": 2, "seed": 0, "cfg": 1.0,
+                                                             "sampler_name": "euler", "scheduler": "simple", "label": ""}},
+    }
+    events = []
+    hist = server.run_following(prompt, lambda kind, data: events.append((kind, data)))
+    progress = [d for k, d in events if k == "progress"]
+    assert any(d["node"] == "3" and d["max"] == 2 for d in progress), "Warmup must report progress"
+    assert any(d["node"] == "4" for d in progress)
+    assert "64x64 px), 16 text tokens, float32: ready in" in hist["outputs"]["3"]["text"][0]  # CPU: bf16 weights, fp32 compute
+    out = hist["outputs"]["4"]
+    assert out["images"][0]["filename"].endswith(".png") and out["images"][0]["type"] == "temp"
+    assert "| bf16+compile+graphs |" in out["text"][0]
+    res = json.loads((server.output_dir / out["fluxaccel_json"][0]).read_text())
+    base, accel = res["results"]
+    assert base["config"] == "eager-bf16" and accel["config"] == "bf16+compile+graphs"
+    for r in (base, accel):
+        assert len(r["runs"]) == 2 and all(math.isfinite(x) and x > 0 for x in r["runs"])
+        assert len(r["step_times"]) == 2 and len(r["denoiser_rel_err_per_sigma"]) == 3
+    assert accel["speedup_vs_eager"] == pytest.approx(base["s_per_image_median"] / accel["s_per_image_median"])
+    assert accel["denoiser_rel_err"] < 2e-2
+    comp = accel["extra"]["compile"]
+    # warmup compiled the one shape; the benchmark's runs (first, warm steps, timed, fidelity) reused it
+    assert len(comp["shapes"]) == 1 and comp["eager_calls"] == 0
+    assert comp["graph_step_marks"] == comp["calls"]
