@@ -143,14 +143,14 @@ def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negat
     on_progress(message) is told what runs; on_step(step, total) is called after every sampling step
     (total steps over the whole benchmark: len(models) * (runs + 1) * steps).
     """
+    import comfy.model_management as mm
+
     say = on_progress or (lambda msg: log.info("%s", msg))
     dev = models[0][1].load_device
     latent = empty_latent(models[0][1], case)
     first, latents, peaks, skips = {}, {}, {}, {}
     for label, m in models:
         say(f"{label}: first run (load, compile, capture)")
-        import comfy.model_management as mm
-
         _sync(dev)
         t0 = time.perf_counter()
         mm.load_models_gpu([m])
@@ -167,8 +167,6 @@ def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negat
     for r in range(case.runs):
         for label, m in models:  # alternate A/B/... so drift (clocks, heat) hits every model alike
             say(f"{label}: timed run {r + 1}/{case.runs}")
-            import comfy.model_management as mm
-
             mm.load_models_gpu([m])
             # one untimed step: after a model switch, weights may sit at new addresses and CUDA graphs re-record
             sample_timed(m, replace(case, steps=1), positive, negative, latent)

@@ -31,6 +31,7 @@ class CompileConfig:
     mode: Literal["default", "max-autotune-no-cudagraphs", "max-autotune"] = "default"
     resolution_policy: Literal["strict", "recompile", "eager_fallback"] = "strict"
     max_shapes: int = 4
+    persistent_cache: bool = True
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -94,6 +95,7 @@ class CompileStats:
     calls: int = 0
     marks: int = 0
     eager_calls: int = 0
+    cache_loaded: bool = False
 
 
 class CompiledFlux(torch.nn.Module):
@@ -107,6 +109,12 @@ class CompiledFlux(torch.nn.Module):
         self.cfg = cfg
         self.device = torch.device(device)
         self.stats = CompileStats()
+        self.cache = None
+        if cfg.persistent_cache:
+            from .compile_cache import CompileCache, cache_key
+
+            self.cache = CompileCache(cache_key(dm, cfg, self.device))
+            self.stats.cache_loaded = self.cache.load()
         object.__setattr__(self, "_compiled", torch.compile(dm, backend="inductor", dynamic=False, fullgraph=False,
                                                             options=cfg.inductor_options(self.device)))
 
@@ -189,4 +197,6 @@ class CompiledFlux(torch.nn.Module):
                 torch.cuda.synchronize(out.device)
             self.stats.compile_seconds[key] = time.perf_counter() - t0
             log.info("FluxAccel: compiled %s in %.1f s", key.describe(), self.stats.compile_seconds[key])
+            if self.cache is not None:
+                self.cache.save()
         return out

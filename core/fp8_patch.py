@@ -58,11 +58,8 @@ class Fp8Report:
             by_reason.setdefault(reason, []).append(name)
         for reason, names in sorted(by_reason.items()):
             shown = ", ".join(names[:6]) + (f", ... (+{len(names) - 6})" if len(names) > 6 else "")
-            lines.append(f"kept in {self._dtype_note()} ({len(names)}): {reason}: {shown}")
+            lines.append(f"kept in original precision ({len(names)}): {reason}: {shown}")
         return "\n".join(lines)
-
-    def _dtype_note(self) -> str:
-        return "original precision"
 
 
 def _is_ours(obj) -> bool:

@@ -1,5 +1,6 @@
 from comfy_api.latest import io, ui
 
+from ..core import compile_cache
 from ..core.compile import MODES, POLICIES, CompileConfig
 from ..core.compile_patch import apply_compile
 from . import ids
@@ -28,13 +29,21 @@ class Compile(io.ComfyNode):
                                        "uncompiled, with a warning."),
                 io.Int.Input("max_shapes", default=4, min=1, max=64,
                              tooltip="With resolution_policy recompile: how many shapes may be compiled."),
+                io.Boolean.Input("persistent_cache", default=True,
+                                 tooltip="Save compile artifacts in ComfyUI's user folder (fluxaccel/compile-cache) and "
+                                         "reload them after a restart, so the first image needs little compile time."),
+                io.Boolean.Input("clear_cache", default=False,
+                                 tooltip="Delete FluxAccel's saved compile artifacts before compiling."),
             ],
             outputs=[io.Model.Output(tooltip="The model, compiled on first use; the input model is unchanged.")],
         )
 
     @classmethod
-    def execute(cls, model, cuda_graphs, mode, resolution_policy, max_shapes) -> io.NodeOutput:
+    def execute(cls, model, cuda_graphs, mode, resolution_policy, max_shapes, persistent_cache=True,
+                clear_cache=False) -> io.NodeOutput:
+        if clear_cache:
+            compile_cache.clear()
         cfg = CompileConfig(cuda_graphs=cuda_graphs, mode=mode, resolution_policy=resolution_policy,
-                            max_shapes=max_shapes)
+                            max_shapes=max_shapes, persistent_cache=persistent_cache)
         clone, _ = apply_compile(model, cfg)
         return io.NodeOutput(clone, ui=ui.PreviewText(f"compile on first use: {cfg}"))

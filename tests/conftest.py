@@ -22,6 +22,15 @@ from tools import host  # noqa: E402
 COMFY_DIR = host.import_comfy(host.comfy_dir())
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_compile_cache(tmp_path_factory):
+    """FluxAccel's persistent compile cache goes to a folder of this test session only."""
+    import os
+
+    os.environ["FLUXACCEL_CACHE_DIR"] = str(tmp_path_factory.mktemp("compile-cache"))
+    yield
+
+
 @pytest.fixture
 def cpu_fp8(monkeypatch):
     """Opt in to CPU FP8 (lifts torchao's GPU-capability gate inside core.fp8 only; see module docstring)."""

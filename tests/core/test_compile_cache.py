@@ -1,0 +1,70 @@
+"""core/compile_cache.py: a fresh process reuses the saved artifacts; foreign/corrupt files are ignored.
+
+Each run is a new Python process with its own empty TORCHINDUCTOR_CACHE_DIR, so a cache hit can only come from
+FluxAccel's file."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from conftest import ROOT
+
+SCRIPT = textwrap.dedent(r"""
+    import json, logging, sys, torch
+    sys.path.insert(0, {root!r})
+    logging.basicConfig(level=logging.INFO)
+    from tools import host; host.import_comfy()
+    from torch._dynamo.utils import counters
+    from core.compile import CompileConfig, CompiledFlux
+    from core.test_models import build_flux
+    m = build_flux("tiny")
+    dm = m.model.diffusion_model
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, 16, 16, generator=g).bfloat16(); ctx = torch.randn(1, 16, 64, generator=g).bfloat16()
+    y = torch.randn(1, 64, generator=g).bfloat16(); t = torch.tensor([0.5]); gd = torch.tensor([3.5]).bfloat16()
+    with torch.inference_mode():
+        c = CompiledFlux(dm, CompileConfig(), torch.device("cpu"))
+        out = c(x, t, context=ctx, y=y, guidance=gd)
+        ref = dm(x, t, context=ctx, y=y, guidance=gd)
+    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+    print("RESULT", json.dumps({{"loaded": c.stats.cache_loaded, "hits": counters["inductor"]["fxgraph_cache_hit"],
+                                "misses": counters["inductor"]["fxgraph_cache_miss"], "err": err}}))
+""")
+
+
+def _run(tmp_path, cache_dir, n):
+    env = {**os.environ, "FLUXACCEL_CACHE_DIR": str(cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor{n}")}
+    p = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT))], capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = next(l for l in p.stdout.splitlines() if l.startswith("RESULT"))
+    return json.loads(line.split(" ", 1)[1]), p.stderr
+
+
+def test_fresh_process_hits_the_saved_cache_and_ignores_bad_files(tmp_path):
+    cache = tmp_path / "cache"
+    first, _ = _run(tmp_path, cache, 1)
+    assert not first["loaded"] and first["misses"] >= 1 and first["hits"] == 0
+    files = list(cache.glob("*.bin"))
+    assert len(files) == 1
+    second, _ = _run(tmp_path, cache, 2)
+    assert second["loaded"] and second["hits"] >= 1 and second["misses"] == 0
+    assert second["err"] < 2e-2
+    files[0].write_bytes(b"FLUXACCEL-COMPILE-CACHE 1\n" + b"{not json")  # corrupt
+    third, log = _run(tmp_path, cache, 3)
+    assert not third["loaded"] and third["misses"] >= 1 and "ignoring unusable compile cache" in log
+    assert third["err"] < 2e-2
+    files[0].write_bytes(b"\x89PNG something else entirely")  # foreign file
+    fourth, log = _run(tmp_path, cache, 4)
+    assert not fourth["loaded"] and "not a FluxAccel compile-cache file" in log
+
+
+def test_clear_removes_only_our_files(tmp_path):
+    from core.compile_cache import MAGIC, clear
+
+    (tmp_path / "a.bin").write_bytes(MAGIC + b"{}\n")
+    (tmp_path / "b.bin").write_bytes(b"someone else's")
+    (tmp_path / "c.txt").write_bytes(MAGIC)
+    assert clear(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin", "c.txt"]
