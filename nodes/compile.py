@@ -29,10 +29,10 @@ class Compile(io.ComfyNode):
                                        "uncompiled, with a warning."),
                 io.Int.Input("max_shapes", default=4, min=1, max=64,
                              tooltip="With resolution_policy recompile: how many shapes may be compiled."),
-                io.Boolean.Input("persistent_cache", default=True,
+                io.Boolean.Input("persistent_cache", default=True, optional=True,
                                  tooltip="Save compile artifacts in ComfyUI's user folder (fluxaccel/compile-cache) and "
                                          "reload them after a restart, so the first image needs little compile time."),
-                io.Boolean.Input("clear_cache", default=False,
+                io.Boolean.Input("clear_cache", default=False, optional=True,
                                  tooltip="Delete FluxAccel's saved compile artifacts before compiling."),
             ],
             outputs=[io.Model.Output(tooltip="The model, compiled on first use; the input model is unchanged.")],

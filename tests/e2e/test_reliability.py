@@ -1,0 +1,94 @@
+"""Reliability in a real ComfyUI server (CPU parts of the reliability suite): interrupts and concurrent clients
+leave the server answering correctly."""
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tools.comfy_server import PromptFailed
+
+from .conftest import E2E_UNET
+
+pytestmark = pytest.mark.e2e
+
+
+def _prompt(seed: int, steps: int = 1, fp8: bool = True, tag: str = "r"):
+    g = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": E2E_UNET, "weight_dtype": "default"}},
+        "2": {"class_type": "FluxAccelSyntheticConditioning",
+              "inputs": {"model": ["1", 0], "text_length": 16, "guidance": 3.5, "seed": 0}},
+        "3": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "4": {"class_type": "FluxAccelQuantizeFP8", "inputs": {"model": ["1", 0], "granularity": "per_row",
+                                                               "scope": "blocks"}},
+        "5": {"class_type": "KSampler", "inputs": {"model": ["4" if fp8 else "1", 0], "seed": seed, "steps": steps,
+                                                   "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
+                                                   "positive": ["2", 0], "negative": ["2", 0],
+                                                   "latent_image": ["3", 0], "denoise": 1.0}},
+        "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": tag}},
+    }
+    if not fp8:
+        del g["4"]
+    return g
+
+
+def _latent(server, hist):
+    f = hist["outputs"]["6"]["latents"][0]
+    return load_file(str(server.output_dir / f["subfolder"] / f["filename"]))["latent_tensor"]
+
+
+def test_interrupt_during_sampling_then_correct_result(server):
+    server.free()
+    ref = _latent(server, server.run(_prompt(seed=5, steps=2, tag="ref")))
+    events, started = [], threading.Event()
+
+    def on_event(kind, data):
+        events.append(kind)
+        if kind == "progress" and data.get("node") == "5":
+            started.set()
+
+    def interrupt_when_sampling():
+        started.wait(120)
+        server.interrupt()
+
+    t = threading.Thread(target=interrupt_when_sampling)
+    t.start()
+    with pytest.raises(PromptFailed) as exc:  # an interrupted prompt ends in ComfyUI's error status
+        server.run_following(_prompt(seed=6, steps=200, tag="long"), on_event)
+    t.join()
+    assert "execution_interrupted" in events
+    assert any(m[0] == "execution_interrupted" for m in exc.value.messages)
+    server.free(unload_models=False, free_memory=True)  # drop the cache so the next prompt really runs
+    assert torch.equal(_latent(server, server.run(_prompt(seed=5, steps=2, tag="after"))), ref)
+
+
+def test_five_concurrent_clients_four_prompts_each(server):
+    from tools.comfy_server import ComfyServer
+
+    seeds = [[100 + 4 * c + j for j in range(4)] for c in range(5)]
+    results: dict[int, torch.Tensor] = {}
+    errors = []
+
+    def client(c):
+        try:
+            cli = ComfyServer(server.comfy_dir, server.workdir, server.models_dir, port=server.port)
+            ids = [(s, cli.queue(_prompt(seed=s, fp8=(s % 2 == 0), tag=f"c{s}"))) for s in seeds[c]]
+            for s, pid in ids:
+                results[s] = _latent(server, cli.wait(pid, timeout=600))
+        except Exception as e:  # surfaced below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(5)]
+    t0 = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    assert not errors, errors
+    assert sorted(results) == sorted(s for row in seeds for s in row), f"{time.time() - t0:.0f}s"
+    # the same prompts again, one by one after clearing ComfyUI's cache: identical latents
+    server.free(unload_models=False, free_memory=True)
+    for s in (100, 107, 119):
+        again = _latent(server, server.run(_prompt(seed=s, fp8=(s % 2 == 0), tag=f"again{s}")))
+        assert torch.equal(again, results[s]), s
