@@ -13,7 +13,7 @@ import torch
 from .comfy_compat import foreign_graph_compilers, require_compatible
 from .compile import CompileConfig, CompiledFlux
 from .errors import FluxAccelError
-from .flux import require_flux, require_fully_loaded
+from .flux import on_load_callback_type, partial_load_guard, require_flux, require_fully_loaded
 
 log = logging.getLogger("fluxaccel.compile")
 
@@ -87,10 +87,6 @@ def _swap_in_factory(compiled: CompiledFlux):
     return apply_compiled
 
 
-def _refuse_partial_load(patcher, device_to, lowvram_model_memory, force_patch_weights, full_load):
-    require_fully_loaded(patcher, NODE)
-
-
 def apply_compile(model, cfg: CompileConfig, node: str = NODE):
     """Return a clone of `model` whose diffusion model runs compiled (and graph-captured) as one module."""
     dm = require_flux(model, node)
@@ -117,7 +113,7 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
         clone.model_options.pop("torch_compile_kwargs", None)
     compiled = CompiledFlux(dm, cfg, device)
     clone.add_wrapper_with_key(wt, COMPILE_KEY, _swap_in_factory(compiled))
-    clone.add_callback_with_key(_on_load_type(), COMPILE_KEY, _refuse_partial_load)
+    clone.add_callback_with_key(on_load_callback_type(), COMPILE_KEY, partial_load_guard(node))
     return clone, compiled
 
 
@@ -136,11 +132,5 @@ def remove_compile(model):
         return model
     clone = model.clone()
     clone.remove_wrappers_with_key(_apply_model_type(), COMPILE_KEY)
-    clone.remove_callbacks_with_key(_on_load_type(), COMPILE_KEY)
+    clone.remove_callbacks_with_key(on_load_callback_type(), COMPILE_KEY)
     return clone
-
-
-def _on_load_type() -> str:
-    from comfy.patcher_extension import CallbacksMP
-
-    return CallbacksMP.ON_LOAD

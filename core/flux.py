@@ -60,3 +60,17 @@ def require_bf16_weights(dm: torch.nn.Module, node: str) -> None:
             f"checkpoint, or UNETLoader weight_dtype fp8_e4m3fn/fp8_e5m2). FluxAccel quantizes from bf16 weights: "
             f"load the bf16 checkpoint with weight_dtype 'default', or skip the Quantize FP8 node for this model."
         )
+
+
+def on_load_callback_type() -> str:
+    from comfy.patcher_extension import CallbacksMP
+
+    return CallbacksMP.ON_LOAD
+
+
+def partial_load_guard(node: str):
+    """An ON_LOAD callback refusing ComfyUI's lowvram (partial) loads of a patched model at sampling time."""
+    def on_load(patcher, device_to, lowvram_model_memory, force_patch_weights, full_load):
+        require_fully_loaded(patcher, node)
+
+    return on_load

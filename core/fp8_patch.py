@@ -17,7 +17,7 @@ import torch
 from .comfy_compat import require_compatible
 from .env import require_fp8_device, require_torchao
 from .errors import FluxAccelError
-from .flux import require_bf16_weights, require_flux, require_fully_loaded
+from .flux import on_load_callback_type, partial_load_guard, require_bf16_weights, require_flux, require_fully_loaded
 from .fp8 import Fp8Config, is_fp8_weight, quantize_linear, select_linears, weight_bytes
 
 log = logging.getLogger("fluxaccel.fp8")
@@ -85,11 +85,6 @@ def original_linears(model) -> dict[str, torch.nn.Linear]:
     return out
 
 
-def _refuse_partial_load(patcher, device_to, lowvram_model_memory, force_patch_weights, full_load):
-    """ON_LOAD callback: FP8 weights cannot be streamed per layer by ComfyUI's lowvram path."""
-    require_fully_loaded(patcher, NODE)
-
-
 def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     """Return (clone with FP8 Linears, report). The input model is left untouched.
 
@@ -137,17 +132,12 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     # another one, so the GPU holds only the weights of the clone being run.
     clone.patches_uuid = uuid.uuid4()
     clone.size = max(1, model.model_size() - report.bytes_saved)
-    clone.add_callback_with_key(_on_load_type(), FP8_KEY, _refuse_partial_load)
+    # FP8 weights cannot be streamed per layer by ComfyUI's lowvram path
+    clone.add_callback_with_key(on_load_callback_type(), FP8_KEY, partial_load_guard(node))
     report_dict = asdict(report)
     clone.model_options[FP8_KEY] = {"config": [cfg.granularity, cfg.scope], "keys": keys, "report": report_dict}
     log.info("%s", report.summary())
     return clone, report
-
-
-def _on_load_type() -> str:
-    from comfy.patcher_extension import CallbacksMP
-
-    return CallbacksMP.ON_LOAD
 
 
 def remove_fp8(model):
@@ -158,7 +148,7 @@ def remove_fp8(model):
     clone = model.clone()
     for key in prev["keys"]:
         clone.object_patches.pop(key, None)
-    clone.remove_callbacks_with_key(_on_load_type(), FP8_KEY)
+    clone.remove_callbacks_with_key(on_load_callback_type(), FP8_KEY)
     clone.model_options.pop(FP8_KEY, None)
     clone.patches_uuid = uuid.uuid4()
     clone.size = model.model_size() + Fp8Report(**prev["report"]).bytes_saved

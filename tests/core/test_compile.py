@@ -180,3 +180,10 @@ def test_fp8_then_compile(cpu_fp8, tiny_flux, counters):
         out = _denoise_once(model)
         assert compiled.stats.calls == 1
         assert rel_err(out, ref) < 2e-2, (gran, rel_err(out, ref))
+
+
+def test_partial_lowvram_load_is_refused(tiny_flux):
+    model, _ = apply_compile(tiny_flux, CompileConfig())
+    with pytest.raises(FluxAccelError, match="only partially.*--highvram"):
+        model.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1024)
+    model.unpatch_model(torch.device("cpu"))
