@@ -106,6 +106,7 @@ def sample_timed(model, case: BenchCase, positive, negative, latent, on_step: Ca
 def denoiser_outputs(model, case: BenchCase, positive, sigmas=FIDELITY_SIGMAS) -> list[torch.Tensor]:
     """The model's denoised prediction for fixed inputs at each sigma (the 'single forward' check)."""
     import comfy.model_management as mm
+    import comfy.patcher_extension
 
     mm.load_models_gpu([model])
     dev = model.load_device
@@ -121,10 +122,14 @@ def denoiser_outputs(model, case: BenchCase, positive, sigmas=FIDELITY_SIGMAS) -
     noise = torch.randn(shape, generator=g)
     outs = []
     kwargs = {"y": extra["pooled_output"].to(dev), "guidance": torch.full((batch,), float(extra.get("guidance", 3.5)), device=dev)}
+    # the model's wrappers (FluxAccel's compile wrapper among them) reach apply_model through transformer_options,
+    # as in ComfyUI's sampler: without them a compiled model would be measured uncompiled
+    to = comfy.patcher_extension.copy_nested_dicts(model.model_options.get("transformer_options", {}))
+    comfy.patcher_extension.merge_nested_dicts(to.setdefault("wrappers", {}), model.wrappers, copy_dict1=False)
     for s in sigmas:
         sigma = torch.full((batch,), s, device=dev)
         x = bm.model_sampling.noise_scaling(sigma.cpu(), noise, x0).to(dev)
-        out = bm.apply_model(x, sigma, c_crossattn=ctx.to(dev), transformer_options={}, **kwargs)
+        out = bm.apply_model(x, sigma, c_crossattn=ctx.to(dev), transformer_options=dict(to), **kwargs)
         outs.append(out.float().cpu())
     return outs
 

@@ -100,9 +100,9 @@ def main(argv=None) -> int:
     ap.add_argument("--case", choices=sorted(CASES), help="default: dev-1024-28 on a GPU, tiny-cpu without")
     ap.add_argument("--checkpoint", help="a real bf16 FLUX diffusion-model .safetensors to use instead of random weights")
     ap.add_argument("--runs", type=int, help="timed runs per config (default per case)")
-    ap.add_argument("--suite", choices=sorted(WORKFLOWS), default="fp8",
+    ap.add_argument("--suite", choices=sorted(WORKFLOWS), default=None,
                     help="fp8: eager vs FP8; compile: eager vs compile/graphs/FP8 variants; samplers: graphs vs no "
-                         "graphs for each sampler and cfg 3.5")
+                         "graphs for each sampler and cfg 3.5 (default: compile on a GPU, fp8 on the CPU)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder for the results JSON")
     ap.add_argument("--models-dir", default=str(ROOT / ".cache" / "models"), help="where random-weight models are cached")
     ap.add_argument("--server-arg", action="append", default=[], help="extra ComfyUI launch flag (repeatable)")
@@ -112,6 +112,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="[fluxaccel] %(message)s")
 
     gpu = _gpu()
+    a.suite = a.suite or ("compile" if gpu else "fp8")
     case_name = a.case or ("dev-1024-28" if gpu else "tiny-cpu")
     case = CASES[case_name]
     runs = a.runs or case["runs"]

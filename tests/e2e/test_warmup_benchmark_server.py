@@ -42,3 +42,6 @@ def test_warmup_then_benchmark(server):
     # warmup compiled the one shape; the benchmark's runs (first, warm steps, timed, fidelity) reused it
     assert len(comp["shapes"]) == 1 and comp["eager_calls"] == 0
     assert comp["graph_step_marks"] == comp["calls"]
+    # every model call went through the compiled model, the fidelity forwards included:
+    # warmup 2 + first run 2 + 2 x (1 warm step + 2 timed steps) + 3 denoiser forwards
+    assert comp["calls"] == 2 + 2 + 2 * 3 + 3
