@@ -1,0 +1,67 @@
+"""A real ComfyUI server whose Python cannot import torchao: it starts, lists FluxAccel's nodes, the FP8 node
+explains what to install, and the nodes that do not need torchao keep working."""
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import COMFY_DIR
+from tools.comfy_server import ComfyServer, PromptFailed
+from tools.host import CPU_SERVER_ARGS
+
+from .conftest import E2E_UNET, MODELS_DIR
+
+pytestmark = pytest.mark.e2e
+
+BLOCKER = '''
+import importlib.abc, sys
+class _NoTorchao(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchao" or name.startswith("torchao."):
+            raise ImportError(f"No module named {name!r} (blocked by the FluxAccel test)")
+sys.meta_path.insert(0, _NoTorchao())
+'''
+
+
+@pytest.fixture(scope="module")
+def server_without_torchao(e2e_model_file):
+    work = Path(tempfile.mkdtemp(prefix="fluxaccel-notorchao-"))
+    site = work / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER)  # imported by Python at start-up, before ComfyUI
+    import os
+
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "FLUXACCEL_ALLOW_CPU_FP8": "1"}
+    srv = ComfyServer(COMFY_DIR, work, MODELS_DIR, CPU_SERVER_ARGS, env=env).start()
+    yield srv
+    srv.stop()
+
+
+def test_starts_lists_nodes_and_explains(server_without_torchao):
+    srv = server_without_torchao
+    info = srv.get("/object_info")
+    ours = sorted(k for k in info if k.startswith("FluxAccel"))
+    assert ours == ["FluxAccelBenchmark", "FluxAccelCompile", "FluxAccelQuantizeFP8",
+                    "FluxAccelSyntheticConditioning", "FluxAccelWarmup"]
+    base = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": E2E_UNET, "weight_dtype": "default"}},
+        "2": {"class_type": "FluxAccelSyntheticConditioning",
+              "inputs": {"model": ["1", 0], "text_length": 16, "guidance": 3.5, "seed": 0}},
+        "3": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+    }
+    fp8 = {**base,
+           "4": {"class_type": "FluxAccelQuantizeFP8", "inputs": {"model": ["1", 0], "granularity": "per_row",
+                                                                  "scope": "blocks"}},
+           "5": {"class_type": "KSampler", "inputs": {"model": ["4", 0], "seed": 1, "steps": 1, "cfg": 1.0,
+                                                      "sampler_name": "euler", "scheduler": "simple",
+                                                      "positive": ["2", 0], "negative": ["2", 0],
+                                                      "latent_image": ["3", 0], "denoise": 1.0}},
+           "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": "x"}}}
+    with pytest.raises(PromptFailed) as exc:
+        srv.run(fp8)
+    assert "needs torchao>=0.17,<0.19, which is not installed" in exc.value.exception_message
+    assert "pip install" in exc.value.exception_message
+    plain = {k: v for k, v in fp8.items() if k != "4"}
+    plain["5"] = {**fp8["5"], "inputs": {**fp8["5"]["inputs"], "model": ["1", 0]}}
+    hist = srv.run(plain)  # the server keeps working, other nodes included
+    assert hist["outputs"]["6"]["latents"]
