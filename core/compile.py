@@ -71,9 +71,13 @@ class ShapeKey:
                 f"{self.text_len} text tokens, {self.dtype}")
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def shape_key(x: torch.Tensor, context: torch.Tensor | None) -> ShapeKey:
     text = int(context.shape[1]) if context is not None else 0
-    return ShapeKey(int(x.shape[0]), int(x.shape[-2]), int(x.shape[-1]), text, str(x.dtype).replace("torch.", ""))
+    return ShapeKey(int(x.shape[0]), int(x.shape[-2]), int(x.shape[-1]), text, dtype_name(x.dtype))
 
 
 def _unsupported_options(transformer_options: dict) -> list[str]:

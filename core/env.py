@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 import importlib.metadata as md
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -84,7 +86,7 @@ def require_fp8_device(device: torch.device) -> None:
 
 def describe() -> dict:
     """Versions that a benchmark result depends on (recorded in every results JSON)."""
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": __import__("sys").version.split()[0]}
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
     for pkg in ("torchao", "triton"):
         try:
             info[pkg] = md.version(pkg)
@@ -99,8 +101,6 @@ def describe() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         try:
-            import subprocess
-
             info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                             capture_output=True, text=True, timeout=10).stdout.strip() or None
         except (OSError, subprocess.SubprocessError):

@@ -50,10 +50,10 @@ def require_fully_loaded(model, node: str) -> None:
         )
 
 
-def require_bf16_weights(dm: torch.nn.Module, node: str) -> None:
+def require_bf16_weights(modules, node: str) -> None:
     """Refuse checkpoints stored in FP8 or loaded with UNETLoader weight_dtype fp8 (ComfyUI then keeps the
     weights in FP8 and casts them per layer)."""
-    fp8 = sorted({str(p.dtype) for p in dm.parameters() if p.dtype in FP8_DTYPES})
+    fp8 = sorted({str(p.dtype) for m in modules for p in m.parameters() if p.dtype in FP8_DTYPES})
     if fp8:
         raise FluxAccelError(
             f"{node}: this FLUX model's weights are already stored in reduced precision ({', '.join(fp8)}: an FP8 "

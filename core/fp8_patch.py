@@ -104,8 +104,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     require_compatible(model, dm, node)
 
     originals = original_linears(model)
-    probe = torch.nn.ModuleList(originals.values())
-    require_bf16_weights(probe, node)
+    require_bf16_weights(originals.values(), node)
     compute_dtype = getattr(model.model, "manual_cast_dtype", None)
     sel = select_linears(originals.items(), cfg)
 

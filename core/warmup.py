@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from .compile import shape_key
+from .compile import ShapeKey, dtype_name
 from .compile_patch import compiled_of
 from .errors import FluxAccelError
 from .flux import require_flux
@@ -55,8 +55,7 @@ def warmup(model, resolutions: list[tuple[int, int]], batch_size: int = 1, text_
     ch = model.model.latent_format.latent_channels
     seconds = {}
     for w, h in resolutions:
-        key = shape_key(torch.empty(model_batch, ch, h // 8, w // 8, dtype=dtype, device="meta"),
-                        torch.empty(1, text_len, 1, device="meta"))
+        key = ShapeKey(model_batch, h // 8, w // 8, text_len, dtype_name(dtype))
         if compiled is not None:
             compiled.register_shape(key)
         latent = torch.zeros(batch_size, ch, h // 8, w // 8)

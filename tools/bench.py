@@ -15,7 +15,6 @@ import copy
 import datetime as dt
 import json
 import logging
-import os
 import shlex
 import sys
 import tempfile
@@ -162,7 +161,8 @@ def main(argv=None) -> int:
     path = out / f"{stem}.json"
     files: list[tuple[int, dict]] = []  # (node id, benchmark file), in completion order
 
-    def write(complete: bool) -> None:
+    def write(complete: bool) -> list[dict]:
+        rows = merge_results([f for _, f in sorted(files, key=lambda x: x[0])])
         result = {
             "case": case_name,
             "suite": a.suite,
@@ -173,9 +173,10 @@ def main(argv=None) -> int:
             "weights": weights,
             "settings": {**case, "runs": runs, "server_args": server_args},
             "complete": complete,
-            "results": merge_results([f for _, f in sorted(files, key=lambda x: x[0])]),
+            "results": rows,
         }
         path.write_text(json.dumps(result, indent=2) + "\n")
+        return rows
     from tqdm import tqdm
 
     with tempfile.TemporaryDirectory(prefix="fluxaccel-bench-") as work:
@@ -211,8 +212,7 @@ def main(argv=None) -> int:
                 shutil.copy(server.log_path, a.log)
     if not files:
         raise SystemExit("the workflow produced no benchmark results; see the ComfyUI log above")
-    write(complete=True)
-    rows = merge_results([f for _, f in sorted(files, key=lambda x: x[0])])
+    rows = write(complete=True)
     print()
     print(f"FluxAccel benchmark, case {case_name} on {gpu or 'CPU'} ({weights}):")
     print(table(rows))

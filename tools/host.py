@@ -63,15 +63,13 @@ def _fetch_comfy(dest: Path) -> None:
 
 
 def _requirements(cdir: Path) -> list[str]:
+    from packaging.requirements import Requirement
+
     reqs = []
     for line in (cdir / "requirements.txt").read_text().splitlines():
         line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        name = line.replace(">", "=").replace("<", "=").replace("~", "=").split("=")[0].strip().lower()
-        if name in SKIP_REQS:
-            continue
-        reqs.append(line)
+        if line and Requirement(line).name.lower() not in SKIP_REQS:
+            reqs.append(line)
     return reqs + EXTRA_REQS
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
 
-from core.compile import CompileConfig, CompiledFlux, ShapeKey
+from core.compile import CompileConfig, ShapeKey
 from core.compile_patch import apply_compile, compiled_of, regional_compiles, remove_compile
 from core.errors import FluxAccelError
 from core.metrics import rel_err

@@ -27,3 +27,32 @@ def server(e2e_model_file):
     srv.start()
     yield srv
     srv.stop()
+
+
+def flux_inputs(size=64, text_length=16, latent_node="EmptySD3LatentImage", weight_dtype="default") -> dict:
+    """Nodes 1-3 of the test prompts: the e2e FLUX file, synthetic conditioning, an empty latent."""
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": E2E_UNET, "weight_dtype": weight_dtype}},
+        "2": {"class_type": "FluxAccelSyntheticConditioning",
+              "inputs": {"model": ["1", 0], "text_length": text_length, "guidance": 3.5, "seed": 0}},
+        "3": {"class_type": latent_node, "inputs": {"width": size, "height": size, "batch_size": 1}},
+    }
+
+
+def sample_and_save(model: str, seed: int, steps: int, tag: str, ksampler: str = "5", save: str = "6") -> dict:
+    """A KSampler on `model` (a node id) with nodes 2/3 as conditioning/latent, and a SaveLatent of its output."""
+    return {
+        ksampler: {"class_type": "KSampler", "inputs": {"model": [model, 0], "seed": seed, "steps": steps, "cfg": 1.0,
+                                                        "sampler_name": "euler", "scheduler": "simple",
+                                                        "positive": ["2", 0], "negative": ["2", 0],
+                                                        "latent_image": ["3", 0], "denoise": 1.0}},
+        save: {"class_type": "SaveLatent", "inputs": {"samples": [ksampler, 0], "filename_prefix": tag}},
+    }
+
+
+def saved_latent(server, hist, node: str = "6"):
+    """The latent a SaveLatent node wrote, read back from the server's output folder."""
+    from safetensors.torch import load_file
+
+    f = hist["outputs"][node]["latents"][0]
+    return load_file(str(server.output_dir / f["subfolder"] / f["filename"]))["latent_tensor"]

@@ -2,40 +2,25 @@
 model without our node computes exactly what it computes when our node is absent."""
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from core.metrics import rel_err
 from tools.comfy_server import PromptFailed
 
-from .conftest import E2E_UNET
+from .conftest import flux_inputs, sample_and_save, saved_latent as _latent
 
 pytestmark = pytest.mark.e2e
 SEED, STEPS = 7, 2
 
 
 def _graph(fp8: bool, plain: bool, granularity="per_row", weight_dtype="default", tag=""):
-    g = {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": E2E_UNET, "weight_dtype": weight_dtype}},
-        "2": {"class_type": "FluxAccelSyntheticConditioning",
-              "inputs": {"model": ["1", 0], "text_length": 16, "guidance": 3.5, "seed": 0}},
-        "3": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
-    }
-    sampler = {"seed": SEED, "steps": STEPS, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
-               "positive": ["2", 0], "negative": ["2", 0], "latent_image": ["3", 0], "denoise": 1.0}
+    g = flux_inputs(weight_dtype=weight_dtype)
     if plain:
-        g["10"] = {"class_type": "KSampler", "inputs": {"model": ["1", 0], **sampler}}
-        g["11"] = {"class_type": "SaveLatent", "inputs": {"samples": ["10", 0], "filename_prefix": f"plain{tag}"}}
+        g.update(sample_and_save("1", SEED, STEPS, f"plain{tag}", ksampler="10", save="11"))
     if fp8:
         g["20"] = {"class_type": "FluxAccelQuantizeFP8",
                    "inputs": {"model": ["1", 0], "granularity": granularity, "scope": "blocks"}}
-        g["21"] = {"class_type": "KSampler", "inputs": {"model": ["20", 0], **sampler}}
-        g["22"] = {"class_type": "SaveLatent", "inputs": {"samples": ["21", 0], "filename_prefix": f"fp8{tag}"}}
+        g.update(sample_and_save("20", SEED, STEPS, f"fp8{tag}", ksampler="21", save="22"))
     return g
-
-
-def _latent(server, hist, node):
-    f = hist["outputs"][node]["latents"][0]
-    return load_file(str(server.output_dir / f["subfolder"] / f["filename"]))["latent_tensor"]
 
 
 def test_fp8_branch_and_plain_branch_share_one_loaded_model(server):

@@ -2,38 +2,23 @@
 and correct results again after /free unloads the model."""
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from core.metrics import rel_err
 from tools.comfy_server import PromptFailed
 
-from .conftest import E2E_UNET
+from .conftest import flux_inputs, sample_and_save, saved_latent as _latent
 
 pytestmark = pytest.mark.e2e
 
 
 def _graph(size=64, compile_=True, text_length=16, tag="c", latent_node="EmptySD3LatentImage"):
-    g = {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": E2E_UNET, "weight_dtype": "default"}},
-        "2": {"class_type": "FluxAccelSyntheticConditioning",
-              "inputs": {"model": ["1", 0], "text_length": text_length, "guidance": 3.5, "seed": 0}},
-        "3": {"class_type": latent_node, "inputs": {"width": size, "height": size, "batch_size": 1}},
-        "4": {"class_type": "FluxAccelCompile", "inputs": {"model": ["1", 0], "cuda_graphs": True, "mode": "default",
-                                                           "resolution_policy": "strict", "max_shapes": 4}},
-        "5": {"class_type": "KSampler", "inputs": {"model": ["4" if compile_ else "1", 0], "seed": 3, "steps": 2,
-                                                   "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
-                                                   "positive": ["2", 0], "negative": ["2", 0],
-                                                   "latent_image": ["3", 0], "denoise": 1.0}},
-        "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": tag}},
-    }
-    if not compile_:
-        del g["4"]
+    g = flux_inputs(size, text_length, latent_node)
+    if compile_:
+        g["4"] = {"class_type": "FluxAccelCompile", "inputs": {"model": ["1", 0], "cuda_graphs": True,
+                                                               "mode": "default", "resolution_policy": "strict",
+                                                               "max_shapes": 4}}
+    g.update(sample_and_save("4" if compile_ else "1", seed=3, steps=2, tag=tag))
     return g
-
-
-def _latent(server, hist):
-    f = hist["outputs"]["6"]["latents"][0]
-    return load_file(str(server.output_dir / f["subfolder"] / f["filename"]))["latent_tensor"]
 
 
 def test_strict_shapes_and_reload_in_a_server(server):

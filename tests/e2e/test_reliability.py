@@ -5,37 +5,21 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tools.comfy_server import PromptFailed
 
-from .conftest import E2E_UNET
+from .conftest import flux_inputs, sample_and_save, saved_latent as _latent
 
 pytestmark = pytest.mark.e2e
 
 
 def _prompt(seed: int, steps: int = 1, fp8: bool = True, tag: str = "r"):
-    g = {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": E2E_UNET, "weight_dtype": "default"}},
-        "2": {"class_type": "FluxAccelSyntheticConditioning",
-              "inputs": {"model": ["1", 0], "text_length": 16, "guidance": 3.5, "seed": 0}},
-        "3": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
-        "4": {"class_type": "FluxAccelQuantizeFP8", "inputs": {"model": ["1", 0], "granularity": "per_row",
-                                                               "scope": "blocks"}},
-        "5": {"class_type": "KSampler", "inputs": {"model": ["4" if fp8 else "1", 0], "seed": seed, "steps": steps,
-                                                   "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
-                                                   "positive": ["2", 0], "negative": ["2", 0],
-                                                   "latent_image": ["3", 0], "denoise": 1.0}},
-        "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": tag}},
-    }
-    if not fp8:
-        del g["4"]
+    g = flux_inputs()
+    if fp8:
+        g["4"] = {"class_type": "FluxAccelQuantizeFP8", "inputs": {"model": ["1", 0], "granularity": "per_row",
+                                                                   "scope": "blocks"}}
+    g.update(sample_and_save("4" if fp8 else "1", seed, steps, tag))
     return g
-
-
-def _latent(server, hist):
-    f = hist["outputs"]["6"]["latents"][0]
-    return load_file(str(server.output_dir / f["subfolder"] / f["filename"]))["latent_tensor"]
 
 
 def test_interrupt_during_sampling_then_correct_result(server):

@@ -9,7 +9,7 @@ from conftest import COMFY_DIR
 from tools.comfy_server import ComfyServer, PromptFailed
 from tools.host import CPU_SERVER_ARGS
 
-from .conftest import E2E_UNET, MODELS_DIR
+from .conftest import MODELS_DIR, flux_inputs, sample_and_save
 
 pytestmark = pytest.mark.e2e
 
@@ -43,25 +43,14 @@ def test_starts_lists_nodes_and_explains(server_without_torchao):
     ours = sorted(k for k in info if k.startswith("FluxAccel"))
     assert ours == ["FluxAccelBenchmark", "FluxAccelCompile", "FluxAccelQuantizeFP8",
                     "FluxAccelSyntheticConditioning", "FluxAccelWarmup"]
-    base = {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": E2E_UNET, "weight_dtype": "default"}},
-        "2": {"class_type": "FluxAccelSyntheticConditioning",
-              "inputs": {"model": ["1", 0], "text_length": 16, "guidance": 3.5, "seed": 0}},
-        "3": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
-    }
-    fp8 = {**base,
+    fp8 = {**flux_inputs(),
            "4": {"class_type": "FluxAccelQuantizeFP8", "inputs": {"model": ["1", 0], "granularity": "per_row",
                                                                   "scope": "blocks"}},
-           "5": {"class_type": "KSampler", "inputs": {"model": ["4", 0], "seed": 1, "steps": 1, "cfg": 1.0,
-                                                      "sampler_name": "euler", "scheduler": "simple",
-                                                      "positive": ["2", 0], "negative": ["2", 0],
-                                                      "latent_image": ["3", 0], "denoise": 1.0}},
-           "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": "x"}}}
+           **sample_and_save("4", seed=1, steps=1, tag="x")}
     with pytest.raises(PromptFailed) as exc:
         srv.run(fp8)
     assert "needs torchao>=0.17,<0.19, which is not installed" in exc.value.exception_message
     assert "pip install" in exc.value.exception_message
-    plain = {k: v for k, v in fp8.items() if k != "4"}
-    plain["5"] = {**fp8["5"], "inputs": {**fp8["5"]["inputs"], "model": ["1", 0]}}
-    hist = srv.run(plain)  # the server keeps working, other nodes included
+    # the server keeps working, other nodes included
+    hist = srv.run({**flux_inputs(), **sample_and_save("1", seed=1, steps=1, tag="x")})
     assert hist["outputs"]["6"]["latents"]
