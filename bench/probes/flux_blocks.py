@@ -1,0 +1,299 @@
+"""Probe (GPU): where does a FLUX.1-dev step at 1024^2 / 512 tokens spend its time, and which lead pays?
+
+Times one ComfyUI DoubleStreamBlock and one SingleStreamBlock (FLUX.1-dev width, random bf16 weights) per variant
+and estimates a step as 19 x double + 38 x single (the embedders and final layer are ~1 % of the FLOPs); also
+times the GEMMs (bf16, FP8 tensorwise, FP8 rowwise) and SDPA backends at the model's shapes, and profiles one
+variant's kernels by category. Run on the device:  python3 bench/probes/flux_blocks.py [--out DIR]
+Prints one JSON line per measurement ("PROBE {...}") and a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+T0 = time.time()
+BUDGET_S = float(os.environ.get("PROBE_BUDGET_S", "480"))
+RESULTS: list[dict] = []
+OUT_DIR: Path | None = None
+
+
+def emit(kind: str, **kw):
+    rec = {"kind": kind, **kw}
+    RESULTS.append(rec)
+    print("PROBE", json.dumps(rec), flush=True)
+    if OUT_DIR is not None:
+        (OUT_DIR / "flux_blocks.json").write_text(json.dumps(RESULTS, indent=1))
+
+
+def bench_ms(fn, iters=20, warm=3) -> float:
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / iters)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def rel_err(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def sdpa_backends():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(1, 24, 4608, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flop = 4 * 24 * 4608 * 4608 * 128
+    with sdpa_kernel([SDPBackend.MATH]):
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
+        try:
+            with sdpa_kernel([getattr(SDPBackend, name)]):
+                f = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)  # noqa: E731
+                ms = bench_ms(f)
+                err = rel_err(f(), ref)
+            emit("sdpa", backend=name, ms=round(ms, 4), tflops=round(flop / ms / 1e9, 1), rel_err=err)
+        except Exception as e:
+            emit("sdpa", backend=name, error=f"{type(e).__name__}: {e}"[:300])
+
+
+GEMMS = {  # name: (M, K, N, count per step)
+    "dbl.img.qkv": (4096, 3072, 9216, 19), "dbl.img.proj": (4096, 3072, 3072, 19),
+    "dbl.img.mlp0": (4096, 3072, 12288, 19), "dbl.img.mlp2": (4096, 12288, 3072, 19),
+    "dbl.txt.qkv": (512, 3072, 9216, 19), "dbl.txt.proj": (512, 3072, 3072, 19),
+    "dbl.txt.mlp0": (512, 3072, 12288, 19), "dbl.txt.mlp2": (512, 12288, 3072, 19),
+    "sgl.linear1": (4608, 3072, 21504, 38), "sgl.linear2": (4608, 15360, 3072, 38),
+}
+
+
+def gemms():
+    f8 = torch.float8_e4m3fn
+    tot = {"bf16": 0.0, "fp8_tensor": 0.0, "fp8_row": 0.0}
+    flop_step = 0
+    for name, (m, k, n, cnt) in GEMMS.items():
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        a8, w8 = a.to(f8), w.to(f8)
+        one = torch.ones((), device="cuda")
+        sa, sw = torch.rand(m, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5
+        flop = 2 * m * k * n
+        flop_step += flop * cnt
+        row = {}
+        row["bf16"] = bench_ms(lambda: a @ w.t())
+        row["fp8_tensor"] = bench_ms(lambda: torch._scaled_mm(a8, w8.t(), one, one, out_dtype=torch.bfloat16,
+                                                              use_fast_accum=True))
+        row["fp8_row"] = bench_ms(lambda: torch._scaled_mm(a8, w8.t(), sa, sw, out_dtype=torch.bfloat16,
+                                                           use_fast_accum=True))
+        for key in tot:
+            tot[key] += row[key] * cnt
+        emit("gemm", name=name, m=m, k=k, n=n, **{f"{key}_ms": round(v, 4) for key, v in row.items()},
+             **{f"{key}_tflops": round(flop / v / 1e9) for key, v in row.items()})
+    emit("gemm_step", tflop=round(flop_step / 1e12, 2), **{f"{k}_ms": round(v, 2) for k, v in tot.items()})
+
+
+def build_blocks():
+    from tools.host import import_comfy
+
+    import_comfy()
+    import comfy.ops
+    from comfy.ldm.flux.layers import DoubleStreamBlock, EmbedND, SingleStreamBlock
+
+    ops = comfy.ops.disable_weight_init
+    torch.manual_seed(0)
+    dbl = DoubleStreamBlock(3072, 24, 4.0, qkv_bias=True, dtype=torch.bfloat16, device="cuda", operations=ops)
+    sgl = SingleStreamBlock(3072, 24, 4.0, dtype=torch.bfloat16, device="cuda", operations=ops)
+    for blk in (dbl, sgl):
+        with torch.no_grad():
+            for p in blk.parameters():
+                p.normal_(0, 0.02)
+    emb = EmbedND(dim=128, theta=10000, axes_dim=[16, 56, 56])
+    ids = torch.zeros(1, 4608, 3, device="cuda")
+    img_ids = torch.stack(torch.meshgrid(torch.arange(64), torch.arange(64), indexing="ij"), -1).reshape(-1, 2)
+    ids[0, 512:, 1:] = img_ids.to("cuda", torch.float32)
+    return dbl, sgl, emb, ids
+
+
+def fp8_copy(block, granularity):
+    import copy
+
+    from core.fp8 import Fp8Config, quantize_linear
+
+    cfg = Fp8Config(granularity=granularity)
+    new = copy.deepcopy(block)
+    for name, mod in list(new.named_modules()):
+        if isinstance(mod, torch.nn.Linear) and not name.endswith(("mod.lin", "modulation.lin")):
+            parent = new.get_submodule(name.rsplit(".", 1)[0]) if "." in name else new
+            setattr(parent, name.rsplit(".", 1)[-1], quantize_linear(mod, cfg, "cuda"))
+    return new
+
+
+def cudnn_ctx():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH], set_priority=True)
+
+
+def run_variant(name, dbl, sgl, inputs, *, compile_opts=None, graphs=True, attn=None, ref=None):
+    if time.time() - T0 > BUDGET_S:
+        emit("variant", name=name, skipped="probe budget spent")
+        return None
+    img, txt, vec, pe, x = inputs
+    ctx = cudnn_ctx if attn == "cudnn" else contextlib.nullcontext
+    torch._dynamo.reset()  # the wrappers below share code objects across variants: no cache-limit fallbacks
+
+    def fd(img, txt, vec, pe):
+        return dbl(img.clone(), txt.clone(), vec, pe)
+
+    def fs(x, vec, pe):
+        return sgl(x.clone(), vec, pe)
+
+    try:
+        t0 = time.time()
+        if compile_opts is not None:
+            opts = dict(compile_opts)
+            opts["triton.cudagraphs"] = graphs
+            fd = torch.compile(fd, dynamic=False, options=opts)
+            fs = torch.compile(fs, dynamic=False, options=opts)
+
+        def call_d():
+            if graphs and compile_opts is not None:
+                torch.compiler.cudagraph_mark_step_begin()
+            return fd(img, txt, vec, pe)
+
+        def call_s():
+            if graphs and compile_opts is not None:
+                torch.compiler.cudagraph_mark_step_begin()
+            return fs(x, vec, pe)
+
+        with ctx(), torch.inference_mode():
+            od = [t.clone() for t in call_d()]
+            os_ = call_s().clone()
+            torch.cuda.synchronize()
+            first = time.time() - t0
+            d_ms = bench_ms(call_d)
+            s_ms = bench_ms(call_s)
+        rec = dict(name=name, double_ms=round(d_ms, 4), single_ms=round(s_ms, 4),
+                   step_ms_est=round(19 * d_ms + 38 * s_ms, 2), first_s=round(first, 1))
+        if ref is not None:
+            rec["rel_err_double_img"] = rel_err(od[0], ref[0][0])
+            rec["rel_err_single"] = rel_err(os_, ref[1])
+        emit("variant", **rec)
+        return od, os_, fd, fs
+    except Exception as e:
+        emit("variant", name=name, error=f"{type(e).__name__}: {e}"[:500])
+        return None
+
+
+def profile(name, fd, fs, inputs, attn=None):
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    img, txt, vec, pe, x = inputs
+    ctx = cudnn_ctx if attn == "cudnn" else contextlib.nullcontext
+    with ctx(), torch.inference_mode():
+        for _ in range(2):
+            fd(img, txt, vec, pe), fs(x, vec, pe)
+        torch.cuda.synchronize()
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            for _ in range(5):
+                fd(img, txt, vec, pe)
+                fs(x, vec, pe)
+            torch.cuda.synchronize()
+    cats: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for ev in p.key_averages():
+        if not str(getattr(ev, "device_type", "CUDA")).endswith("CUDA"):
+            continue
+        us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        if us <= 0:
+            continue
+        n = ev.key.lower()
+        if any(s in n for s in ("gemm", "scaled_mm", "cutlass", "xmma", "nvjet", "sm90_", "cublas")):
+            cat = "gemm"
+        elif any(s in n for s in ("flash", "fmha", "cudnn", "attention", "sdpa")):
+            cat = "attention"
+        elif "triton" in n:
+            cat = "triton"
+        else:
+            cat = "other"
+        cats[cat] = cats.get(cat, 0.0) + us / 5 / 1000
+        kernels[ev.key[:90]] = us / 5 / 1000
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    emit("profile", name=name, ms_per_double_plus_single={k: round(v, 4) for k, v in cats.items()},
+         top=[(k, round(v, 4)) for k, v in top])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--skip-micro", action="store_true")
+    a = ap.parse_args()
+    global OUT_DIR
+    OUT_DIR = Path(a.out)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    emit("env", torch=torch.__version__, gpu=torch.cuda.get_device_name(0),
+         cudnn=torch.backends.cudnn.version())
+    if not a.skip_micro:
+        sdpa_backends()
+        gemms()
+    dbl, sgl, emb, ids = build_blocks()
+    with torch.inference_mode():
+        pe = emb(ids)
+        emit("rope", eager_ms=round(bench_ms(lambda: emb(ids)), 4),
+             compiled_ms=round(bench_ms(torch.compile(lambda: emb(ids), dynamic=False)), 4))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    img = torch.randn(1, 4096, 3072, device="cuda", dtype=torch.bfloat16, generator=g)
+    txt = torch.randn(1, 512, 3072, device="cuda", dtype=torch.bfloat16, generator=g)
+    vec = torch.randn(1, 3072, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.cat([txt, img], 1)
+    inputs = (img, txt, vec, pe, x)
+    base = {"emulate_precision_casts": True}
+    eager = run_variant("bf16 eager", dbl, sgl, inputs)
+    ref = (eager[0], eager[1]) if eager else None
+    dr, sr = fp8_copy(dbl, "per_row"), fp8_copy(sgl, "per_row")
+    dt, st = fp8_copy(dbl, "per_tensor"), fp8_copy(sgl, "per_tensor")
+    run_variant("bf16 eager cudnn", dbl, sgl, inputs, attn="cudnn", ref=ref)
+    run_variant("fp8 row eager", dr, sr, inputs, ref=ref)
+    run_variant("bf16 compile+graphs", dbl, sgl, inputs, compile_opts=base, ref=ref)
+    cur = run_variant("fp8 row compile+graphs (current)", dr, sr, inputs, compile_opts=base, ref=ref)
+    run_variant("fp8 row compile+graphs no-emulate", dr, sr, inputs, compile_opts={}, ref=ref)
+    run_variant("fp8 tensor compile+graphs", dt, st, inputs, compile_opts=base, ref=ref)
+    best = run_variant("fp8 row compile+graphs cudnn", dr, sr, inputs, compile_opts=base, attn="cudnn", ref=ref)
+    run_variant("bf16 compile+graphs cudnn", dbl, sgl, inputs, compile_opts=base, attn="cudnn", ref=ref)
+    run_variant("fp8 tensor compile+graphs cudnn", dt, st, inputs, compile_opts=base, attn="cudnn", ref=ref)
+    # profile without graphs (kernel names stay visible)
+    if time.time() - T0 < BUDGET_S:
+        nog = run_variant("fp8 row compile cudnn (no graphs, for profile)", dr, sr, inputs, compile_opts=base,
+                          graphs=False, attn="cudnn", ref=ref)
+        if nog:
+            profile("fp8 row compile cudnn", nog[2], nog[3], inputs, attn="cudnn")
+    run_variant("fp8 row max-autotune-no-cudagraphs+graphs cudnn", dr, sr, inputs,
+                compile_opts={**base, **torch._inductor.list_mode_options("max-autotune-no-cudagraphs")},
+                attn="cudnn", ref=ref)
+    print("\n== variants (ms; step estimate = 19 double + 38 single) ==")
+    for r in RESULTS:
+        if r["kind"] == "variant":
+            print(f"{r['name'][:52]:52s} {r.get('double_ms', '-')!s:>8} {r.get('single_ms', '-')!s:>8} "
+                  f"{r.get('step_ms_est', r.get('error', r.get('skipped', '')))!s:>10} "
+                  f"first {r.get('first_s', '-')} err {r.get('rel_err_single', '-')}")
+
+
+if __name__ == "__main__":
+    main()
