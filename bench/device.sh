@@ -7,6 +7,10 @@
 set -euo pipefail
 source .gpu/setup-on-device.sh
 export FLUXACCEL_HOST_NO_INSTALL=1
+# one compile-cache folder for every run on this machine: a later run's first run is a cached first run
+export FLUXACCEL_CACHE_DIR=${FLUXACCEL_CACHE_DIR:-/tmp/fluxaccel-cache}
+# clocks, power and load once a second while the benchmark runs (throttling shows here)
+nvidia-smi dmon -s pucm -d 1 > "$OUT/dmon-$(date +%s).log" 2>&1 &
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 mkdir -p "$OUT/results"
 if [ -n "${FLUXACCEL_PROBES:-}" ]; then

@@ -1,7 +1,8 @@
 """Side-by-side measurement of FLUX models inside ComfyUI's real sampler.
 
 Every model runs the same case (seed, latent, conditioning, sampler): one first run each (load, compile,
-capture: `first_run_s`), then `runs` timed runs alternating between the models, device-synchronized.
+capture: `first_run_s`; `first_run_cached_s` where the plugin's persistent compile cache was loaded), then `runs`
+timed runs alternating between the models, device-synchronized at start and end (per-step times from CUDA events).
 Fidelity is judged on single denoiser forwards at three sigmas against the baseline (random-weight FLUX
 amplifies rounding over many sampling steps, so the final latent's error is reported but not judged).
 """
@@ -52,6 +53,7 @@ class BenchRow:
     final_latent_rel_err: float
     speedup_vs_eager: float = 1.0
     baseline_s_per_image_median: float = 0.0  # the baseline measured alongside, in the same runs
+    first_run_cached_s: float | None = None  # first_run_s again when the persistent compile cache was loaded
     extra: dict = field(default_factory=dict)
 
 
@@ -84,21 +86,35 @@ def sample_timed(model, case: BenchCase, positive, negative, latent, on_step: Ca
     mm.load_models_gpu([model])
     dev = model.load_device
     noise = comfy.sample.prepare_noise(latent, case.seed)
-    stamps = []
+    # Per-step times without a per-step synchronization: a sync after every step would leave the GPU idle while
+    # the host prepares the next step (ComfyUI itself does not sync there unless previews are on). On a GPU each
+    # step end is a CUDA event on the model's stream; on the CPU work is synchronous and the host clock is exact.
+    use_events = torch.device(dev).type == "cuda"
+    marks = []
+
+    def stamp():
+        if use_events:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
 
     def cb(step, x0, x, total):
-        _sync(dev)
-        stamps.append(time.perf_counter())
+        marks.append(stamp())
         if on_step is not None:
             on_step(step, total)
 
     _sync(dev)
     t0 = time.perf_counter()
+    start = stamp()
     out = comfy.sample.sample(model, noise, case.steps, case.cfg, case.sampler, case.scheduler, positive, negative,
                               latent, callback=cb, disable_pbar=True, seed=case.seed)
     _sync(dev)
     t1 = time.perf_counter()
-    steps = [b - a for a, b in zip([t0] + stamps[:-1], stamps)]
+    if use_events:
+        steps = [a.elapsed_time(b) / 1000 for a, b in zip([start] + marks[:-1], marks)]
+    else:
+        steps = [b - a for a, b in zip([start] + marks[:-1], marks)]
     return out, t1 - t0, steps
 
 
@@ -198,6 +214,8 @@ def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negat
             final_latent_rel_err=rel_err(latents[label], latents[base]),
             extra={"cudagraph_skips_at_first_run": skips[label], **(describe(dict(models)[label]) if describe else {})},
         ))
+        if (rows[-1].extra.get("compile") or {}).get("cache_loaded"):
+            rows[-1].first_run_cached_s = first[label]
     base_med = rows[0].s_per_image_median
     for row in rows:
         row.speedup_vs_eager = base_med / row.s_per_image_median

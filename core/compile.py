@@ -11,7 +11,9 @@ Recipe, in order (each step's why):
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -100,6 +102,20 @@ class CompileStats:
     marks: int = 0
     eager_calls: int = 0
     cache_loaded: bool = False
+    # last warm calls: host seconds spent inside the call (graph replay is asynchronous, so on a GPU this is the
+    # launch overhead: guards, input checks, replay) and (start, end) CUDA events around it (device time)
+    host_s: deque = field(default_factory=lambda: deque(maxlen=256))
+    device_events: deque = field(default_factory=lambda: deque(maxlen=256))
+
+    def call_timings(self) -> dict:
+        """Median host and device milliseconds per warm compiled call (synchronizes once to read the events)."""
+        out = {}
+        if self.host_s:
+            out["model_call_host_ms_median"] = round(1000 * statistics.median(self.host_s), 3)
+        if self.device_events:
+            torch.cuda.synchronize()
+            out["model_call_device_ms_median"] = round(statistics.median(a.elapsed_time(b) for a, b in self.device_events), 3)
+        return out
 
 
 class CompiledFlux(torch.nn.Module):
@@ -186,6 +202,10 @@ class CompiledFlux(torch.nn.Module):
             self.stats.eager_calls += 1
             return dm(x, timestep, context=context, transformer_options=transformer_options, **kwargs)
         first = key not in self.stats.compile_seconds
+        events = None
+        if not first and x.is_cuda:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         t0 = time.perf_counter()
         if self.graphs:
             # A new CUDA-graph step per model call: outputs of the previous call may be overwritten from here on,
@@ -196,6 +216,11 @@ class CompiledFlux(torch.nn.Module):
         if self.graphs:
             out = out.clone()  # the sampler keeps outputs across steps; graph-owned memory is reused on replay
         self.stats.calls += 1
+        if not first:
+            self.stats.host_s.append(time.perf_counter() - t0)
+            if events is not None:
+                events[1].record()
+                self.stats.device_events.append(events)
         if first:
             if out.is_cuda:
                 torch.cuda.synchronize(out.device)

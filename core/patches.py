@@ -30,7 +30,8 @@ def describe(model) -> dict:
         out["compile"] = {"cuda_graphs": c.cfg.cuda_graphs, "mode": c.cfg.mode, "policy": c.cfg.resolution_policy,
                           "shapes": [k.describe() for k in st.shapes],
                           "compile_seconds": {k.describe(): round(v, 2) for k, v in st.compile_seconds.items()},
-                          "calls": st.calls, "graph_step_marks": st.marks, "eager_calls": st.eager_calls}
+                          "calls": st.calls, "graph_step_marks": st.marks, "eager_calls": st.eager_calls,
+                          "cache_loaded": st.cache_loaded, **st.call_timings()}
     return out
 
 
