@@ -122,7 +122,7 @@ class CompiledFlux(torch.nn.Module):
     """Stands in for BaseModel.diffusion_model during apply_model: checks the shape contract, marks a new
     CUDA-graph step, runs the compiled whole model, and returns an output the sampler may keep."""
 
-    def __init__(self, dm: torch.nn.Module, cfg: CompileConfig, device: torch.device):
+    def __init__(self, dm: torch.nn.Module, cfg: CompileConfig, device: torch.device, variant: str = ""):
         super().__init__()
         # held outside _modules: the live diffusion model must not appear twice in the module tree
         object.__setattr__(self, "_dm", dm)
@@ -133,7 +133,7 @@ class CompiledFlux(torch.nn.Module):
         if cfg.persistent_cache:
             from .compile_cache import CompileCache, cache_key
 
-            self.cache = CompileCache(cache_key(dm, cfg, self.device))
+            self.cache = CompileCache(cache_key(dm, cfg, self.device, variant))
             self.stats.cache_loaded = self.cache.load()
         object.__setattr__(self, "_compiled", torch.compile(dm, backend="inductor", dynamic=False, fullgraph=False,
                                                             options=cfg.inductor_options(self.device)))

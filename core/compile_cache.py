@@ -40,7 +40,9 @@ def _version(pkg: str) -> str | None:
         return None
 
 
-def cache_key(dm: torch.nn.Module, cfg, device: torch.device) -> str:
+def cache_key(dm: torch.nn.Module, cfg, device: torch.device, variant: str = "") -> str:
+    """variant: what the patched model differs by at load time (FP8 config, swapped modules); the module here is
+    the unpatched one, so without it bf16, FP8 per-tensor and FP8 per-row compiles would share one file."""
     device = torch.device(device)
     dev = "cpu"
     if device.type == "cuda":
@@ -49,7 +51,7 @@ def cache_key(dm: torch.nn.Module, cfg, device: torch.device) -> str:
     for name, p in dm.named_parameters():
         layout.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{type(p.data).__name__}".encode())
     ident = {"format": 1, "torch": torch.__version__, "triton": _version("triton"), "torchao": _version("torchao"),
-             "device": dev, "config": repr(cfg), "model": type(dm).__name__, "layout": layout.hexdigest()}
+             "device": dev, "config": repr(cfg), "model": type(dm).__name__, "layout": layout.hexdigest(), "variant": variant}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
 
 

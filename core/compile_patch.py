@@ -87,6 +87,16 @@ def _swap_in_factory(compiled: CompiledFlux):
     return apply_compiled
 
 
+def _variant(model) -> str:
+    """What the compiled graph depends on beyond the base module's parameters: FluxAccel's FP8 config and the
+    modules other object patches swap in at load time (the persistent compile cache is keyed by it)."""
+    from .fp8_patch import FP8_KEY
+
+    fp8 = (model.model_options.get(FP8_KEY) or {}).get("config")
+    swapped = sorted(k for k, v in model.object_patches.items() if isinstance(v, torch.nn.Module))
+    return repr((fp8, swapped))
+
+
 def apply_compile(model, cfg: CompileConfig, node: str = NODE):
     """Return a clone of `model` whose diffusion model runs compiled (and graph-captured) as one module."""
     dm = require_flux(model, node)
@@ -111,7 +121,7 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
         log.info("FluxAccel: replacing ComfyUI's whole-model torch.compile wrapper with FluxAccel's")
         clone.remove_wrappers_with_key(wt, COMFY_COMPILE_KEY)
         clone.model_options.pop("torch_compile_kwargs", None)
-    compiled = CompiledFlux(dm, cfg, device)
+    compiled = CompiledFlux(dm, cfg, device, variant=_variant(model))
     clone.add_wrapper_with_key(wt, COMPILE_KEY, _swap_in_factory(compiled))
     clone.add_callback_with_key(on_load_callback_type(), COMPILE_KEY, partial_load_guard(node))
     return clone, compiled

@@ -68,3 +68,21 @@ def test_clear_removes_only_our_files(tmp_path):
     (tmp_path / "c.txt").write_bytes(MAGIC)
     assert clear(tmp_path) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin", "c.txt"]
+
+
+def test_fp8_variants_of_one_model_get_their_own_cache_files(cpu_fp8, tiny_flux):
+    """The Compile node sees the unpatched module (FP8 object patches apply at load time); the cache key must
+    still tell bf16, FP8 per-tensor and FP8 per-row apart, else each compile overwrote the others' file
+    (seen on the H200: a per-tensor model 'loaded' the bf16 model's cache)."""
+    from core.compile import CompileConfig
+    from core.compile_patch import apply_compile
+    from core.fp8 import Fp8Config
+    from core.fp8_patch import apply_fp8
+
+    models = {"bf16": tiny_flux}
+    for gran in ("per_tensor", "per_row"):
+        models[gran], _ = apply_fp8(tiny_flux, Fp8Config(gran))
+    paths = {name: apply_compile(m, CompileConfig(cuda_graphs=False))[1].cache.path for name, m in models.items()}
+    assert len(set(paths.values())) == 3, paths
+    again = apply_compile(models["per_row"], CompileConfig(cuda_graphs=False))[1].cache.path
+    assert again == paths["per_row"]
