@@ -12,6 +12,7 @@ import torch
 
 from .comfy_compat import foreign_graph_compilers, require_compatible
 from .compile import CompileConfig, CompiledFlux
+from .env import require_torch
 from .errors import FluxAccelError
 from .flux import on_load_callback_type, partial_load_guard, require_flux, require_fully_loaded
 
@@ -100,6 +101,7 @@ def _variant(model) -> str:
 def apply_compile(model, cfg: CompileConfig, node: str = NODE):
     """Return a clone of `model` whose diffusion model runs compiled (and graph-captured) as one module."""
     dm = require_flux(model, node)
+    require_torch(node)
     require_fully_loaded(model, node)
     require_compatible(model, dm, node)
     regional = regional_compiles(model) + foreign_graph_compilers(model)

@@ -15,6 +15,9 @@ import torch
 
 from .errors import FluxAccelError
 
+# torch.compiler.save_cache_artifacts (persistent compile cache) and the Float8Tensor dispatch torchao 0.17+
+# relies on need torch 2.8; the project is tested on 2.11 (H200) and 2.14 (CPU).
+TORCH_MIN = (2, 8)
 TORCHAO_MIN = (0, 17)
 TORCHAO_MAX_EXCLUSIVE = (0, 19)
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89), Hopper (sm_90), Blackwell: hardware FP8 GEMMs
@@ -29,6 +32,17 @@ def _version_tuple(v: str) -> tuple[int, ...]:
             break
         out.append(int(digits))
     return tuple(out)
+
+
+def require_torch(node: str) -> None:
+    """Refuse a PyTorch older than TORCH_MIN with what to install (checked on use, never at import)."""
+    have = _version_tuple(str(torch.__version__))[:2]
+    if have < TORCH_MIN:
+        want = ".".join(map(str, TORCH_MIN))
+        raise FluxAccelError(
+            f"{node} needs PyTorch {want} or newer; this ComfyUI runs torch {torch.__version__}. Update the PyTorch "
+            f"of ComfyUI's Python (python -m pip install -U 'torch>={want}' with the index URL of your CUDA "
+            f"version), then restart ComfyUI.")
 
 
 def require_torchao():

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .comfy_compat import require_compatible
-from .env import require_fp8_device, require_torchao
+from .env import require_fp8_device, require_torch, require_torchao
 from .errors import FluxAccelError
 from .flux import on_load_callback_type, partial_load_guard, require_bf16_weights, require_flux, require_fully_loaded
 from .fp8 import Fp8Config, is_fp8_weight, quantize_linear, select_linears, weight_bytes
@@ -92,6 +92,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     a different config re-quantizes from the original bf16 weights, never from FP8.
     """
     dm = require_flux(model, node)
+    require_torch(node)
     require_torchao()
     require_fully_loaded(model, node)
     prev = model.model_options.get(FP8_KEY)

@@ -14,6 +14,7 @@ from ..core.flux import require_flux
 from ..core import patches
 from ..core.test_models import synthetic_conditioning_for
 from . import ids
+from .validation import one_of
 
 
 class Benchmark(io.ComfyNode):
@@ -46,6 +47,11 @@ class Benchmark(io.ComfyNode):
             ],
             outputs=[io.String.Output(display_name="table"), io.Image.Output(display_name="chart")],
         )
+
+    @classmethod
+    def validate_inputs(cls, sampler_name, scheduler):
+        return one_of(sampler_name=(sampler_name, comfy.samplers.KSampler.SAMPLERS),
+                      scheduler=(scheduler, comfy.samplers.KSampler.SCHEDULERS))
 
     @classmethod
     def execute(cls, model, text_length, width, height, steps, runs, seed, cfg, sampler_name, scheduler, label,

@@ -4,6 +4,7 @@ from ..core import compile_cache
 from ..core.compile import MODES, POLICIES, CompileConfig
 from ..core.compile_patch import apply_compile
 from . import ids
+from .validation import one_of
 
 
 class Compile(io.ComfyNode):
@@ -37,6 +38,10 @@ class Compile(io.ComfyNode):
             ],
             outputs=[io.Model.Output(tooltip="The model, compiled on first use; the input model is unchanged.")],
         )
+
+    @classmethod
+    def validate_inputs(cls, mode, resolution_policy):
+        return one_of(mode=(mode, MODES), resolution_policy=(resolution_policy, POLICIES))
 
     @classmethod
     def execute(cls, model, cuda_graphs, mode, resolution_policy, max_shapes, persistent_cache=True,

@@ -3,6 +3,7 @@ from comfy_api.latest import io, ui
 from ..core.fp8 import GRANULARITIES, SCOPES, Fp8Config
 from ..core.fp8_patch import apply_fp8
 from . import ids
+from .validation import one_of
 
 
 class QuantizeFP8(io.ComfyNode):
@@ -25,6 +26,10 @@ class QuantizeFP8(io.ComfyNode):
             ],
             outputs=[io.Model.Output(tooltip="The model with FP8 Linears; the input model is unchanged.")],
         )
+
+    @classmethod
+    def validate_inputs(cls, granularity, scope):
+        return one_of(granularity=(granularity, GRANULARITIES), scope=(scope, SCOPES))
 
     @classmethod
     def execute(cls, model, granularity, scope) -> io.NodeOutput:

@@ -3,6 +3,7 @@ from comfy_api.latest import io, ui
 
 from ..core.warmup import parse_resolutions, warmup
 from . import ids
+from .validation import parses
 
 
 class Warmup(io.ComfyNode):
@@ -30,6 +31,10 @@ class Warmup(io.ComfyNode):
             ],
             outputs=[io.Model.Output(tooltip="The same model, compiled and captured at these shapes.")],
         )
+
+    @classmethod
+    def validate_inputs(cls, resolutions):
+        return parses(parse_resolutions, resolutions)
 
     @classmethod
     def execute(cls, model, resolutions, batch_size, text_length, cfg, steps, positive=None, negative=None) -> io.NodeOutput:

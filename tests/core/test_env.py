@@ -1,4 +1,5 @@
 """core/env.py: clear errors for missing/old torchao and unsupported devices."""
+import re
 import sys
 
 import pytest
@@ -24,6 +25,18 @@ def test_torchao_wrong_version(monkeypatch, version):
 def test_torchao_supported_version_passes(monkeypatch):
     monkeypatch.setattr(env.md, "version", lambda name: "0.18.0+cu130")
     assert env.require_torchao() is sys.modules["torchao"]
+
+
+@pytest.mark.parametrize("version,ok", [("2.5.1+cu124", False), ("2.7.1", False), ("2.8.0", True),
+                                        ("2.11.0+cu130", True), ("2.14.1+cpu", True), ("3.0.0a0", True)])
+def test_torch_minimum(monkeypatch, version, ok):
+    monkeypatch.setattr(env.torch, "__version__", version)
+    if ok:
+        env.require_torch("Compile (FluxAccel)")
+    else:
+        with pytest.raises(FluxAccelError, match=rf"Compile \(FluxAccel\) needs PyTorch 2\.8 or newer; this ComfyUI runs "
+                                                 rf"torch {re.escape(version)}\. Update"):
+            env.require_torch("Compile (FluxAccel)")
 
 
 @pytest.mark.parametrize("cap,ok", [((8, 6), False), ((7, 5), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)])
