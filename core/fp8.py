@@ -120,7 +120,8 @@ def _cpu_gate_lifted(device: torch.device):
 
 
 class _Fp8DeviceMove:
-    """Mixin for quantized Linears: moves an FP8 weight by moving its plain tensors (qdata, scale).
+    """Mixin for quantized Linears: moves an FP8 weight by moving its plain tensors (qdata, scale), and refuses
+    weight patches that arrive after quantization (see set_weight).
 
     ComfyUI moves modules with Module.to() when it loads/unloads a model. With torch 2.11 and torchao 0.18,
     Float8Tensor.to(other device) fails in torch's aliasing check of aten.to ("Attempted to set the storage
@@ -141,6 +142,18 @@ class _Fp8DeviceMove:
                 w = torch.nn.Parameter(w._apply_fn_to_data(lambda t: t.to(target)), requires_grad=False)
             self._parameters["weight"] = w
         return self
+
+
+    def convert_weight(self, weight, inplace=False, **kwargs):
+        """ComfyUI calls this (found by get_key_weight) when it applies a weight patch (LoRA, ...) to this Linear,
+        before computing the patched weight. Reached only by a patch added *after* quantization (patches present
+        before are merged into the FP8 weights by fp8_patch.apply_fp8): refuse, rather than patch or drop it."""
+        raise FluxAccelError(
+            "A LoRA (or another weight patch) reaches a Linear that Quantize FP8 (FluxAccel) already quantized; FP8 "
+            "weights cannot be patched afterwards. Put LoraLoaderModelOnly (and other weight-patching nodes) before "
+            "Quantize FP8 (FluxAccel): their changes are then merged into the FP8 weights.")
+
+    set_weight = convert_weight
 
 
 _FP8_CLASSES: dict[type, type] = {}

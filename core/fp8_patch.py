@@ -8,11 +8,13 @@ Why object patches on a clone:
 """
 from __future__ import annotations
 
+import copy
 import logging
 import uuid
 from dataclasses import asdict, dataclass, field
 
 import torch
+from comfy.patcher_extension import CallbacksMP
 
 from .comfy_compat import require_compatible
 from .env import require_fp8_device, require_torch, require_torchao
@@ -36,6 +38,7 @@ class Fp8Report:
     bytes_before: int = 0
     bytes_after: int = 0
     already_applied: bool = False
+    merged_patches: list[str] = field(default_factory=list)  # weight patches (LoRA, ...) merged before quantizing
 
     @property
     def bytes_saved(self) -> int:
@@ -53,6 +56,8 @@ class Fp8Report:
             f"weights {self.bytes_before / gib:.3f} GiB -> {self.bytes_after / gib:.3f} GiB "
             f"(saved {self.bytes_saved / gib:.3f} GiB, {self.bytes_saved} bytes)",
         ]
+        if self.merged_patches:
+            lines.append(f"merged {len(self.merged_patches)} weight patches (LoRA etc.) into the FP8 weights")
         by_reason: dict[str, list[str]] = {}
         for name, reason in self.skipped.items():
             by_reason.setdefault(reason, []).append(name)
@@ -85,6 +90,70 @@ def original_linears(model) -> dict[str, torch.nn.Linear]:
     return out
 
 
+LATE_PATCH_MESSAGE = (
+    "{node}: this model's Linears are already FP8-quantized, so a LoRA (or another weight patch) cannot be applied "
+    "after Quantize FP8 ({n} patched layers, e.g. {example}). Put LoraLoaderModelOnly (and other weight-patching "
+    "nodes) before Quantize FP8 (FluxAccel): their changes are then merged into the FP8 weights.")
+
+
+def _refuse_late_weight_patches(fp8_modules: list[str], node: str):
+    """ON_CLONE callback: clones of an FP8 model refuse weight patches on FP8 Linears when they are added (the
+    LoRA node fails with a clear message), instead of failing or being dropped later when the model loads."""
+    fp8_params = {f"{k}.{p}" for k in fp8_modules for p in ("weight",)}
+
+    def on_clone(old, new):
+        add = new.add_patches
+
+        def add_patches(patches, strength_patch=1.0, strength_model=1.0):
+            hit = sorted(k if isinstance(k, str) else k[0] for k in patches)
+            hit = [k for k in hit if k in fp8_params]
+            if hit:
+                raise FluxAccelError(LATE_PATCH_MESSAGE.format(node=node, n=len(hit), example=hit[0]))
+            return add(patches, strength_patch, strength_model)
+
+        new.add_patches = add_patches
+    return on_clone
+
+
+class _Kept(dict):
+    """Weight patches merged into FP8 weights, kept for remove_fp8. ComfyUI deep-copies model_options on every
+    clone; these (possibly large, never mutated) tensors are shared instead of copied."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _as_this_clone_runs(model, lin: torch.nn.Linear, name: str, device: torch.device):
+    """A view of `lin` with the weight and bias this clone would run: the unpatched tensors (ComfyUI's shared
+    backup while another clone's weight patches are applied to the live model) plus this clone's own weight
+    patches (LoRA, ...), computed as ComfyUI's loader does. Returns (linear, merged patch keys)."""
+    import comfy.float
+    import comfy.lora
+    from comfy.model_patcher import string_to_seed
+
+    merged, params = [], {}
+    for p in ("weight", "bias"):
+        t = getattr(lin, p, None)
+        if t is None:
+            continue
+        key = f"diffusion_model.{name}.{p}"
+        bk = model.backup.get(key)
+        if bk is not None:
+            t = bk.weight
+        if model.patches.get(key):
+            out = comfy.lora.calculate_weight(model.patches[key], t.to(device, torch.float32, copy=True), key)
+            t = comfy.float.stochastic_rounding(out, t.dtype, seed=string_to_seed(key))
+            merged.append(key)
+        params[p] = t
+    if not merged and all(params[p] is getattr(lin, p) for p in params):
+        return lin, merged
+    view = copy.copy(lin)
+    view._parameters = dict(lin._parameters)
+    for p, t in params.items():
+        view._parameters[p] = torch.nn.Parameter(t.detach(), requires_grad=False)
+    return view, merged
+
+
 def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     """Return (clone with FP8 Linears, report). The input model is left untouched.
 
@@ -100,6 +169,8 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
         report = Fp8Report(**{**prev["report"], "already_applied": True})
         log.info("%s", report.summary())
         return model, report
+    if prev is not None:  # another FP8 config: start again from the model as it was before quantization
+        model = remove_fp8(model)
     device = torch.device(model.load_device)
     require_fp8_device(device)
     require_compatible(model, dm, node)
@@ -110,13 +181,13 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     sel = select_linears(originals.items(), cfg)
 
     clone = model.clone()
-    if prev is not None:  # different config: drop our earlier patches, re-quantize from the bf16 originals
-        for key in prev["keys"]:
-            clone.object_patches.pop(key, None)
     report = Fp8Report(cfg.granularity, cfg.scope, str(device), skipped=dict(sel.skipped))
-    keys = []
+    keys, merged = [], _Kept()
     for name in sel.chosen:
-        lin = originals[name]
+        lin, merged_keys = _as_this_clone_runs(model, originals[name], name, device)
+        for k in merged_keys:  # now inside the FP8 weights; kept aside for remove_fp8 (the Benchmark baseline)
+            merged[k] = clone.patches.pop(k)
+        report.merged_patches += merged_keys
         # quantize on the GPU (fast), then park the FP8 copy where ComfyUI keeps unloaded weights: the GPU
         # then holds only what ComfyUI itself loads (and accounts for), e.g. not two FP8 variants at once.
         q = quantize_linear(lin, cfg, device, compute_dtype).to(model.offload_device)
@@ -134,8 +205,10 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     clone.size = max(1, model.model_size() - report.bytes_saved)
     # FP8 weights cannot be streamed per layer by ComfyUI's lowvram path
     clone.add_callback_with_key(on_load_callback_type(), FP8_KEY, partial_load_guard(node))
+    clone.add_callback_with_key(CallbacksMP.ON_CLONE, FP8_KEY, _refuse_late_weight_patches(keys, node))
     report_dict = asdict(report)
-    clone.model_options[FP8_KEY] = {"config": [cfg.granularity, cfg.scope], "keys": keys, "report": report_dict}
+    clone.model_options[FP8_KEY] = {"config": [cfg.granularity, cfg.scope], "keys": keys, "report": report_dict,
+                                     "merged_patches": merged}
     log.info("%s", report.summary())
     return clone, report
 
@@ -148,7 +221,10 @@ def remove_fp8(model):
     clone = model.clone()
     for key in prev["keys"]:
         clone.object_patches.pop(key, None)
+    for key, patches in prev.get("merged_patches", {}).items():
+        clone.patches[key] = list(patches)
     clone.remove_callbacks_with_key(on_load_callback_type(), FP8_KEY)
+    clone.remove_callbacks_with_key(CallbacksMP.ON_CLONE, FP8_KEY)
     clone.model_options.pop(FP8_KEY, None)
     clone.patches_uuid = uuid.uuid4()
     clone.size = model.model_size() + Fp8Report(**prev["report"]).bytes_saved

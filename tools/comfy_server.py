@@ -66,7 +66,8 @@ class ComfyServer:
         for sub in ("output", "input", "temp", "user"):
             (self.workdir / sub).mkdir(exist_ok=True)
         paths = self.workdir / "extra_model_paths.yaml"
-        paths.write_text(f"fluxaccel:\n  base_path: {self.models_dir}\n  diffusion_models: diffusion_models\n")
+        paths.write_text(f"fluxaccel:\n  base_path: {self.models_dir}\n  diffusion_models: diffusion_models\n"
+                         f"  loras: loras\n")
         cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(self.port),
                "--output-directory", str(self.workdir / "output"), "--input-directory", str(self.workdir / "input"),
                "--temp-directory", str(self.workdir / "temp"), "--user-directory", str(self.workdir / "user"),

@@ -129,3 +129,73 @@ def test_refuses_partially_loaded_model(cpu_fp8, tiny_flux):
     with pytest.raises(FluxAccelError, match="only partially"):
         apply_fp8(tiny_flux, Fp8Config())
     tiny_flux.model.model_lowvram = False
+
+
+# --- weight patches (LoRA and the like) ---------------------------------------------------------------------
+LORA_KEYS = ["diffusion_model.double_blocks.0.img_attn.qkv.weight", "diffusion_model.double_blocks.1.img_mlp.0.weight",
+             "diffusion_model.single_blocks.0.linear1.weight", "diffusion_model.single_blocks.1.linear2.weight"]
+
+
+def _with_lora(model, strength=1.0, seed=3):
+    """A clone with ComfyUI 'diff' weight patches on four quantized Linears: what LoraLoaderModelOnly adds, as
+    ComfyUI applies it at load time (comfy.lora.calculate_weight)."""
+    sd = model.model.state_dict()  # keys as ComfyUI patches them: "diffusion_model.<...>.weight"
+    g = torch.Generator().manual_seed(seed)
+    clone = model.clone()
+    std = {k: (sd[k].dequantize() if is_fp8_weight(sd[k]) else sd[k]).float().std() for k in LORA_KEYS}
+    patches = {k: (torch.randn(sd[k].shape, generator=g) * std[k] * 2,) for k in LORA_KEYS}
+    clone.add_patches(patches, strength_patch=strength)
+    return clone
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_lora_before_quantize_is_merged_into_fp8(cpu_fp8, tiny_flux, compiled):
+    inputs = flux_inputs(tiny_flux.model.diffusion_model)
+    base = forward(tiny_flux, inputs)
+    lora = _with_lora(tiny_flux)
+    lora_ref = forward(lora, inputs)
+    assert rel_err(lora_ref, base) > 0.2, "the test LoRA must change the output clearly"
+    q, report = apply_fp8(lora, Fp8Config("per_row"))
+    assert sorted(report.merged_patches) == sorted(LORA_KEYS) and "merged 4 weight patches" in report.summary()
+    assert not any(k in q.patches for k in LORA_KEYS), "merged patches must not be applied to FP8 weights again"
+    out = forward(q, inputs, compiled=compiled)
+    assert rel_err(out, lora_ref) < BOUND, f"vs LoRA'd eager: {rel_err(out, lora_ref):.4f}"
+    # the Benchmark's baseline (FP8 removed) runs the LoRA'd bf16 model again, bit for bit
+    assert torch.equal(forward(remove_fp8(q), inputs), lora_ref)
+    # another strength is another result, and FP8 follows it
+    half = _with_lora(tiny_flux, strength=0.5)
+    half_ref = forward(half, inputs)
+    q_half, _ = apply_fp8(half, Fp8Config("per_row"))
+    out_half = forward(q_half, inputs, compiled=compiled)
+    assert rel_err(out_half, half_ref) < BOUND < rel_err(out_half, lora_ref)
+
+
+def test_lora_after_quantize_is_refused_when_added(cpu_fp8, tiny_flux):
+    inputs = flux_inputs(tiny_flux.model.diffusion_model)
+    q, _ = apply_fp8(tiny_flux, Fp8Config("per_row"))
+    ref = forward(q, inputs)
+    with pytest.raises(FluxAccelError, match=r"already FP8-quantized.*\(4 patched layers.*Put LoraLoaderModelOnly .*"
+                                             r"before Quantize FP8"):
+        _with_lora(q)
+    # patches on layers that stay bf16 (modulation) are fine, and clones of clones keep the guard
+    mod_key = "diffusion_model.double_blocks.0.img_mod.lin.weight"
+    w = tiny_flux.model.state_dict()[mod_key]
+    ok = q.clone()
+    ok.add_patches({mod_key: (torch.ones_like(w, dtype=torch.float32) * 1e-3,)})
+    assert rel_err(forward(ok, inputs), ref) > 0
+    with pytest.raises(FluxAccelError, match="already FP8-quantized"):
+        _with_lora(ok)
+    # without FP8 again (the Benchmark baseline), weight patches are accepted
+    _with_lora(remove_fp8(q))
+
+
+def test_quantizes_unpatched_weights_while_another_clone_is_loaded(cpu_fp8, tiny_flux):
+    """A LoRA'd clone loaded right now has its weights patched into the shared live modules; quantizing the
+    plain model must read ComfyUI's backup of the originals, not the LoRA'd live weights."""
+    inputs = flux_inputs(tiny_flux.model.diffusion_model)
+    q_clean, _ = apply_fp8(tiny_flux, Fp8Config("per_row"))
+    clean = forward(q_clean, inputs)
+    forward(_with_lora(tiny_flux), inputs)  # LoRA'd weights now live in the module tree
+    q_during, report = apply_fp8(tiny_flux, Fp8Config("per_row"))
+    assert report.merged_patches == []
+    assert torch.equal(forward(q_during, inputs), clean)

@@ -1,0 +1,83 @@
+"""LoRA and FluxAccel in a real ComfyUI server (LoraLoaderModelOnly with a LoRA file): before Quantize FP8 it is
+merged into the FP8 weights and matches the eager LoRA'd model within FP8 tolerance; its strength takes effect;
+after Quantize FP8 it is refused with a clear error, and the server keeps working."""
+import pytest
+import torch
+
+from tools.comfy_server import PromptFailed
+
+from .conftest import E2E_UNET, MODELS_DIR, flux_inputs, sample_and_save, saved_latent
+
+pytestmark = pytest.mark.e2e
+
+LORA = "fluxaccel-test-lora.safetensors"
+TARGETS = ["double_blocks.0.img_attn.qkv", "double_blocks.0.img_mlp.0", "single_blocks.0.linear1",
+           "single_blocks.0.linear2"]
+FP8_TOL = 0.08  # FP8 e4m3 on the whole model, as in tests/core/test_fp8_patch.py
+
+
+@pytest.fixture(scope="module")
+def lora_file(e2e_model_file):
+    """A rank-4 LoRA in ComfyUI's generic format (diffusion_model.<layer>.lora_up/lora_down) for the e2e model,
+    strong enough to change its output clearly."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = MODELS_DIR / "loras" / LORA
+    if path.exists():
+        return path
+    g = torch.Generator().manual_seed(7)
+    sd = {}
+    with safe_open(str(e2e_model_file), "pt") as f:
+        for name in TARGETS:
+            w = f.get_tensor(f"{name}.weight").float()
+            rank = 4
+            s = (2 * w.std() / rank ** 0.5) ** 0.5  # entries of up @ down then have ~2x the weight's spread
+            sd[f"diffusion_model.{name}.lora_up.weight"] = (torch.randn(w.shape[0], rank, generator=g) * s).bfloat16()
+            sd[f"diffusion_model.{name}.lora_down.weight"] = (torch.randn(rank, w.shape[1], generator=g) * s).bfloat16()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path))
+    return path
+
+
+def _prompt(order: list[str], strength: float = 1.0, seed: int = 3) -> dict:
+    """UNETLoader -> the nodes in `order` ('lora', 'fp8') -> KSampler -> SaveLatent."""
+    g = flux_inputs()
+    prev = "1"
+    for i, kind in enumerate(order):
+        nid = str(10 + i)
+        if kind == "lora":
+            g[nid] = {"class_type": "LoraLoaderModelOnly",
+                      "inputs": {"model": [prev, 0], "lora_name": LORA, "strength_model": strength}}
+        else:
+            g[nid] = {"class_type": "FluxAccelQuantizeFP8",
+                      "inputs": {"model": [prev, 0], "granularity": "per_row", "scope": "blocks"}}
+        prev = nid
+    g.update(sample_and_save(prev, seed=seed, steps=1, tag="-".join(order) or "plain"))
+    return g
+
+
+def _err(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_lora_before_fp8_is_merged_and_strength_takes_effect(server, lora_file):
+    run = lambda order, strength=1.0: saved_latent(server, server.run(_prompt(order, strength)))  # noqa: E731
+    plain, fp8 = run([]), run(["fp8"])
+    lora, lora_fp8 = run(["lora"]), run(["lora", "fp8"])
+    assert _err(lora, plain) > 0.3, "the test LoRA must change the result clearly"
+    assert _err(lora_fp8, lora) < FP8_TOL, f"LoRA then FP8 vs eager LoRA: {_err(lora_fp8, lora):.4f}"
+    assert _err(lora_fp8, fp8) > 4 * _err(lora_fp8, lora), "the LoRA must not be ignored under FP8"
+    half, half_fp8 = run(["lora"], 0.5), run(["lora", "fp8"], 0.5)
+    assert _err(half_fp8, half) < FP8_TOL
+    assert _err(half_fp8, lora_fp8) > 4 * _err(half_fp8, half), "a new LoRA strength must take effect"
+
+
+def test_lora_after_fp8_is_refused_and_the_server_keeps_working(server, lora_file):
+    with pytest.raises(PromptFailed) as exc:
+        server.run(_prompt(["fp8", "lora"]))
+    msg = exc.value.exception_message
+    assert "already FP8-quantized" in msg and "Put LoraLoaderModelOnly" in msg and "before Quantize FP8" in msg, msg
+    ok = saved_latent(server, server.run(_prompt(["lora", "fp8"], seed=4)))
+    again = saved_latent(server, server.run(_prompt(["lora", "fp8"], seed=4)))
+    assert torch.equal(ok, again)
