@@ -48,3 +48,20 @@ def test_fp8_weight_dtype_is_refused_and_server_keeps_working(server):
     assert "weight_dtype 'default'" in exc.value.exception_message
     hist = server.run(_graph(fp8=True, plain=False, granularity="per_tensor", tag="good"))
     assert "FP8 per_tensor" in hist["outputs"]["20"]["text"][0]
+
+
+def test_plain_and_fp8_prompts_alternating_ten_times(server):
+    """One loaded model, prompts alternating between a plain branch and an FP8 branch: each result equals its
+    branch's reference every time (ComfyUI swaps the FP8 modules in and the originals back on each switch)."""
+    refs = {}
+    for i in range(10):
+        fp8 = i % 2 == 1
+        hist = server.run(_graph(fp8=fp8, plain=not fp8, tag=f"alt{i}"))
+        cached = next((m[1]["nodes"] for m in hist["status"]["messages"] if m[0] == "execution_cached"), [])
+        ks, save = ("21", "22") if fp8 else ("10", "11")
+        assert ks not in cached, f"prompt {i}: the KSampler must run, not come from ComfyUI's cache"
+        out = _latent(server, hist, save)
+        if fp8 not in refs:
+            refs[fp8] = out
+        assert torch.equal(out, refs[fp8]), f"prompt {i} ({'FP8' if fp8 else 'plain'}) differs from its reference"
+    assert 0 < rel_err(refs[True], refs[False]) < 0.1
