@@ -50,8 +50,11 @@ def cache_key(dm: torch.nn.Module, cfg, device: torch.device, variant: str = "")
     layout = hashlib.sha256()
     for name, p in dm.named_parameters():
         layout.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{type(p.data).__name__}".encode())
+    # only what changes the compiled artifacts: the inductor options (graphs, mode), not resolution_policy etc.
+    options = repr(sorted(cfg.inductor_options(device).items()))
     ident = {"format": 1, "torch": torch.__version__, "triton": _version("triton"), "torchao": _version("torchao"),
-             "device": dev, "config": repr(cfg), "model": type(dm).__name__, "layout": layout.hexdigest(), "variant": variant}
+             "device": dev, "config": options, "model": type(dm).__name__, "layout": layout.hexdigest(),
+             "variant": variant}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
 
 
