@@ -130,6 +130,7 @@ class CompiledFlux(torch.nn.Module):
         self.device = torch.device(device)
         self.stats = CompileStats()
         self.cache = None
+        self.on_compiled = None  # called with self after each new shape compiled (the node tells the editor)
         if cfg.persistent_cache:
             from .compile_cache import CompileCache, cache_key
 
@@ -148,6 +149,11 @@ class CompiledFlux(torch.nn.Module):
     @property
     def graphs(self) -> bool:
         return self.cfg.cuda_graphs
+
+    @property
+    def graphs_active(self) -> bool:
+        """CUDA graphs asked for and possible here (they are CUDA-only; on the CPU the option is ignored)."""
+        return self.cfg.cuda_graphs and self.device.type == "cuda"
 
     def register_shape(self, key: ShapeKey) -> None:
         """Allow a shape explicitly (the Warmup node), whatever the resolution policy; bounded by max_shapes."""
@@ -228,4 +234,6 @@ class CompiledFlux(torch.nn.Module):
             log.info("FluxAccel: compiled %s in %.1f s", key.describe(), self.stats.compile_seconds[key])
             if self.cache is not None:
                 self.cache.save()
+            if self.on_compiled is not None:
+                self.on_compiled(self)
         return out

@@ -39,7 +39,8 @@ class Benchmark(io.ComfyNode):
                 io.Int.Input("height", default=1024, min=64, max=8192, step=16, tooltip="Image height in pixels."),
                 io.Int.Input("steps", default=28, min=1, max=1000, tooltip="Sampling steps per image."),
                 io.Int.Input("runs", default=3, min=1, max=100, tooltip="Timed runs per model (after one first run)."),
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, tooltip="Noise seed, the same for both models."),
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=True,
+                             tooltip="Noise seed, the same for both models."),
                 io.Float.Input("cfg", default=1.0, min=1.0, max=30.0, step=0.1, tooltip="CFG scale; >1 runs cond+uncond (batch 2)."),
                 io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="euler", tooltip="Sampler."),
                 io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="simple", tooltip="Scheduler."),
@@ -77,4 +78,5 @@ class Benchmark(io.ComfyNode):
                        "results": rows_to_dicts(rows), "table": table}, f, indent=2)
         image = chart.to_image_tensor(chart.render(rows_to_dicts(rows)))
         preview = ui.PreviewImage(image, cls=cls).as_dict()
-        return io.NodeOutput(table, image, ui={**preview, "text": [table], "fluxaccel_json": [f"fluxaccel/{name}"]})
+        return io.NodeOutput(table, image, ui={**preview, "text": [table], "fluxaccel_json": [f"fluxaccel/{name}"],
+                                                  "fluxaccel_speedup": [round(rows[-1].speedup_vs_eager, 3)]})

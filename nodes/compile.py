@@ -4,6 +4,7 @@ from ..core import compile_cache
 from ..core.compile import MODES, POLICIES, CompileConfig
 from ..core.compile_patch import apply_compile
 from . import ids
+from .events import compiled_notifier
 from .validation import one_of
 
 
@@ -37,6 +38,7 @@ class Compile(io.ComfyNode):
                                  tooltip="Delete FluxAccel's saved compile artifacts before compiling."),
             ],
             outputs=[io.Model.Output(tooltip="The model, compiled on first use; the input model is unchanged.")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -50,5 +52,6 @@ class Compile(io.ComfyNode):
             compile_cache.clear()
         cfg = CompileConfig(cuda_graphs=cuda_graphs, mode=mode, resolution_policy=resolution_policy,
                             max_shapes=max_shapes, persistent_cache=persistent_cache)
-        clone, _ = apply_compile(model, cfg)
+        clone, compiled = apply_compile(model, cfg)
+        compiled.on_compiled = compiled_notifier(cls.hidden.unique_id)
         return io.NodeOutput(clone, ui=ui.PreviewText(f"compile on first use: {cfg}"))

@@ -20,7 +20,8 @@ class SyntheticConditioning(io.ComfyNode):
                              tooltip="T5 tokens: 256 is ComfyUI's FLUX padding, 512 common for FLUX.1-dev."),
                 io.Float.Input("guidance", default=3.5, min=0.0, max=100.0, step=0.1,
                                tooltip="FLUX guidance embedding value (ignored by schnell)."),
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, tooltip="Seed of the random conditioning."),
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=True,
+                             tooltip="Seed of the random conditioning."),
             ],
             outputs=[io.Conditioning.Output()],
         )

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$(bash scripts/setup.sh)
+bash scripts/setup-browser.sh
 exec "$PY" -m pytest "$@"

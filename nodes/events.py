@@ -1,0 +1,30 @@
+"""Messages to the editor (web/fluxaccel.js) over ComfyUI's websocket: the Compile node's badge learns which
+shapes its model has compiled, and whether CUDA graphs are on, when it happens (during sampling)."""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("fluxaccel.events")
+
+COMPILED = "fluxaccel.compiled"
+
+
+def compiled_notifier(node_id: str | None):
+    """A CompiledFlux.on_compiled callback that tells the editor about the Compile node `node_id`."""
+    def notify(compiled) -> None:
+        if node_id is None:
+            return
+        try:
+            from server import PromptServer
+
+            st = compiled.stats
+            PromptServer.instance.send_sync(COMPILED, {
+                "node": str(node_id),
+                "shapes": [k.describe() for k in st.shapes],
+                "short": [f"{k.width * 8}x{k.height * 8} b{k.batch} t{k.text_len}" for k in st.compile_seconds],
+                "graphs": compiled.graphs_active,
+                "compile_seconds": [round(v, 1) for v in st.compile_seconds.values()],
+            })
+        except Exception as e:  # the editor badge is a nicety: never fail a prompt over it
+            log.debug("FluxAccel: could not notify the editor (%s)", e)
+    return notify

@@ -1,0 +1,116 @@
+// Drives the real ComfyUI editor (the frontend ComfyUI 0.3.75 pins) in Debian's headless Chromium against a
+// ComfyUI server with FluxAccel on 127.0.0.1. Run by tests/e2e/test_browser.py, which asserts on the JSON this
+// prints last. Env: COMFY_URL, E2E_UNET (a FLUX file the server's UNETLoader lists), ARTIFACTS (screenshots),
+// CHROMIUM (default /usr/bin/chromium).
+import { chromium } from "playwright-core";
+
+const url = process.env.COMFY_URL;
+const out = process.env.ARTIFACTS;
+const unet = process.env.E2E_UNET;
+const result = { consoleErrors: [] };
+const step = (msg) => console.error(`[browser] ${msg}`);
+
+const browser = await chromium.launch({
+  executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
+  headless: true,
+  args: ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
+});
+try {
+  const page = await browser.newPage({ viewport: { width: 1600, height: 1000 } });
+  page.on("console", (m) => m.type() === "error" && result.consoleErrors.push(m.text()));
+  page.on("pageerror", (e) => result.consoleErrors.push(String(e)));
+  step(`open ${url}`);
+  await page.goto(url, { waitUntil: "domcontentloaded" });
+  await page.waitForFunction(() => window.app?.graph && window.__fluxaccel, null, { timeout: 180000 });
+  await page.waitForTimeout(1500);
+
+  // 1. the example workflow, from the editor's template browser (the plugin's example_workflows/)
+  step("templates");
+  const templates = page.getByText("All Templates").first();
+  if (!(await templates.isVisible())) await page.getByText("Templates", { exact: true }).first().click();
+  await templates.waitFor({ timeout: 30000 });
+  await page.locator("[role=dialog]").getByText("comfyui-fluxaccel").first().click();
+  await page.waitForTimeout(1000);
+  result.templateCards = await page.locator("[role=dialog]").innerText();
+  await page.screenshot({ path: `${out}/templates.png` });
+  await page.locator("[role=dialog]").getByText("fluxaccel_quickstart").first().click();
+  await page.waitForFunction(() => window.app.graph._nodes.some((n) => n.type === "FluxAccelBenchmark"), null,
+    { timeout: 30000 });
+  await page.waitForTimeout(1000);
+  result.benchmarkWidgets = await page.evaluate(() => Object.fromEntries(
+    window.app.graph._nodes.find((n) => n.type === "FluxAccelBenchmark").widgets.map((w) => [w.name, w.value])));
+
+  // 2. the node search finds our nodes, and they sit in the FluxAccel category
+  step("node search");
+  result.categories = await page.evaluate(() => Object.fromEntries(
+    Object.entries(window.LiteGraph.registered_node_types)
+      .filter(([k]) => k.startsWith("FluxAccel")).map(([k, v]) => [k, v.category])));
+  await page.locator("#graph-canvas").dblclick({ position: { x: 1100, y: 600 } });
+  await page.waitForTimeout(800);
+  await page.keyboard.type("FluxAccel");
+  await page.waitForTimeout(1500);
+  result.searchResults = await page.locator("[role=option]:visible").allInnerTexts();
+  await page.screenshot({ path: `${out}/node-search.png` });
+  await page.keyboard.press("Escape");
+  await page.waitForTimeout(500);
+
+  // 3. size the workflow for the tiny CPU model
+  await page.evaluate((unet) => {
+    const set = (node, name, value) => {
+      const w = node.widgets?.find((x) => x.name === name);
+      if (w) w.value = value;
+    };
+    for (const node of window.app.graph._nodes) {
+      set(node, "unet_name", unet);
+      set(node, "text_length", 16);
+      set(node, "width", 64);
+      set(node, "height", 64);
+      set(node, "resolutions", "64x64");
+      set(node, "runs", 1);
+      set(node, "steps", 1);
+      set(node, "control_after_generate", "fixed");
+    }
+  }, unet);
+  result.loadedTypes = await page.evaluate(() => window.app.graph._nodes.map((n) => n.type).sort());
+
+  // 4. queue it: Quantize -> Compile -> Warmup -> Benchmark on the tiny model
+  step("queue the workflow");
+  await page.evaluate(() => window.app.queuePrompt(0, 1));
+  const tableHandle = await page.waitForFunction(() => {
+    const b = window.app.graph._nodes.find((n) => n.type === "FluxAccelBenchmark");
+    const w = b?.widgets?.find((x) => x.name === "fluxaccel_report");
+    return w?.value?.includes("| config |") ? w.value : null;
+  }, null, { timeout: 600000, polling: 1000 });
+  result.table = await tableHandle.jsonValue();
+  await page.waitForTimeout(1000);
+  result.badge = await page.evaluate(() =>
+    window.app.graph._nodes.find((n) => n.type === "FluxAccelCompile")?.fluxaccelBadge ?? null);
+  await page.evaluate(() => {
+    // frame the run for the screenshot (the README shows it): the whole graph, the Benchmark table readable
+    const b = window.app.graph._nodes.find((n) => n.type === "FluxAccelBenchmark");
+    b.setSize([640, b.size[1] + 120]);
+    window.app.canvas.ds.offset = [60, 150];
+    window.app.canvas.ds.scale = 0.8;
+    window.app.graph.setDirtyCanvas(true, true);
+  });
+  await page.waitForTimeout(800);
+  await page.screenshot({ path: `${out}/editor-after-run.png` });
+
+  // 5. a resolution the strict compiled model was not compiled for: a toast names both shapes
+  step("wrong resolution");
+  await page.evaluate(() => {
+    const b = window.app.graph._nodes.find((n) => n.type === "FluxAccelBenchmark");
+    for (const name of ["width", "height"]) b.widgets.find((x) => x.name === name).value = 80;
+  });
+  await page.evaluate(() => window.app.queuePrompt(0, 1));
+  await page.waitForFunction(() => window.__fluxaccel.toasts.length > 0, null, { timeout: 300000, polling: 500 });
+  result.toasts = await page.evaluate(() => window.__fluxaccel.toasts);
+  await page.waitForTimeout(800);
+  result.toastDom = await page.locator(".p-toast-message").allInnerTexts();
+  await page.screenshot({ path: `${out}/editor-toast.png` });
+} catch (e) {
+  result.error = String(e?.stack || e);
+} finally {
+  await browser.close();
+}
+console.log("RESULT " + JSON.stringify(result));

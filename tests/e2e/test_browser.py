@@ -1,0 +1,57 @@
+"""The editor in a real browser: Debian's headless Chromium, driven by playwright-core (npm), against a real
+ComfyUI server on 127.0.0.1 serving the real frontend. Our nodes are found by the node search under FluxAccel, the
+quickstart example workflow loads from the plugin's templates and runs on the tiny model, the Compile node's
+badge and the Benchmark table render, and a wrong resolution shows a toast naming both shapes. Screenshots go to
+test-artifacts/browser/. Set-up: scripts/setup-browser.sh (run by scripts/test.sh)."""
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import ROOT
+
+from .conftest import E2E_UNET
+
+pytestmark = pytest.mark.e2e
+
+BROWSER_DIR = ROOT / "tests" / "browser"
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+ARTIFACTS = ROOT / "test-artifacts" / "browser"
+
+
+def test_editor_in_a_real_browser(server):
+    node = shutil.which("node")
+    missing = [what for what, ok in (("node", node), ("chromium", os.path.exists(CHROMIUM)),
+                                      ("playwright-core", (BROWSER_DIR / "node_modules" / "playwright-core").is_dir()))
+               if not ok]
+    assert not missing, f"missing {missing}: run bash scripts/setup-browser.sh"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "COMFY_URL": server.url, "E2E_UNET": E2E_UNET, "ARTIFACTS": str(ARTIFACTS),
+           "CHROMIUM": CHROMIUM}
+    p = subprocess.run([node, str(BROWSER_DIR / "editor_test.mjs")], cwd=BROWSER_DIR, env=env, capture_output=True,
+                       text=True, timeout=1500)
+    line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert line, f"rc {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    r = json.loads(line[len("RESULT "):])
+    assert "error" not in r, r.get("error", "") + "\n" + p.stderr[-2000:]
+    ours = {"FluxAccelQuantizeFP8", "FluxAccelCompile", "FluxAccelWarmup", "FluxAccelBenchmark"}
+    assert {k for k, cat in r["categories"].items() if cat == "FluxAccel"} >= ours
+    found = "\n".join(r["searchResults"])
+    for title in ("Quantize FP8 (FluxAccel)", "Compile + CUDA Graph (FluxAccel)", "Warmup (FluxAccel)",
+                  "Benchmark (FluxAccel)"):
+        assert title in found, f"{title!r} not in the node search results: {r['searchResults']}"
+    assert "fluxaccel_quickstart" in r["templateCards"]
+    assert set(r["loadedTypes"]) >= ours | {"UNETLoader"}
+    w = r["benchmarkWidgets"]  # widget values land on the right widgets (seed's control_after_generate included)
+    assert (w["cfg"], w["sampler_name"], w["scheduler"], w["steps"]) == (1.0, "euler", "simple", 28), w
+    assert "| config |" in r["table"] and "fp8-per_row+compile+graphs" in r["table"]
+    badge = r["badge"] or ""
+    assert "64x64 b1 t16" in badge and "CUDA graphs off" in badge and "x vs eager" in badge, badge
+    toast = r["toasts"][0]["detail"]
+    assert "compiled for batch 1, latent 8x8 (64x64 px)" in toast and "latent 10x10 (80x80 px)" in toast, toast
+    assert any("compiled for" in t for t in r["toastDom"]), r["toastDom"]
+    assert not [e for e in r["consoleErrors"] if "fluxaccel" in e.lower()], r["consoleErrors"]
+    for shot in ("templates.png", "node-search.png", "editor-after-run.png", "editor-toast.png"):
+        assert (ARTIFACTS / shot).stat().st_size > 10_000
