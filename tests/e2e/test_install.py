@@ -1,0 +1,76 @@
+"""Registry and Manager readiness: the plugin installs into a fresh ComfyUI's custom_nodes/ from a clean clone,
+exactly as the README says, and that ComfyUI starts with it; the metadata the registry and the Manager read is
+complete, and every node and input explains itself."""
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from conftest import COMFY_DIR, ROOT
+from tools.comfy_server import ComfyServer
+from tools.host import CPU_SERVER_ARGS
+
+from .conftest import MODELS_DIR
+
+pytestmark = pytest.mark.e2e
+OURS = {"FluxAccelQuantizeFP8", "FluxAccelCompile", "FluxAccelWarmup", "FluxAccelBenchmark",
+        "FluxAccelSyntheticConditioning"}
+
+
+def _readme_install_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Installing into an existing ComfyUI\s+```bash\n(.*?)```", text, re.S).group(1)
+    return [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
+
+
+def test_clean_clone_into_a_fresh_comfyui_starts(tmp_path):
+    comfy = tmp_path / "ComfyUI"
+    shutil.copytree(COMFY_DIR, comfy, symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "comfyui-fluxaccel", "output", "temp", "user"))
+    assert not (comfy / "custom_nodes" / "comfyui-fluxaccel").exists()
+    commands = _readme_install_commands()
+    assert commands[0] == "cd ComfyUI/custom_nodes" and commands[1].startswith("git clone ")
+    cwd = tmp_path
+    for cmd in commands:  # the README's commands, with this checkout as <this repository>, ComfyUI's Python
+        if cmd.startswith("cd "):
+            cwd = cwd / cmd[3:]
+            continue
+        cmd = cmd.replace("<this repository>", str(ROOT)).replace("python ", f"{sys.executable} ", 1)
+        p = subprocess.run(cmd, shell=True, cwd=cwd, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, f"{cmd}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
+    plugin = comfy / "custom_nodes" / "comfyui-fluxaccel"
+    assert (plugin / "__init__.py").is_file() and not (plugin / ".venv").exists()
+    with ComfyServer(comfy, tmp_path / "work", MODELS_DIR, CPU_SERVER_ARGS) as srv:
+        info = srv.get("/object_info")
+        assert OURS <= set(info)
+        assert b"registerExtension" in srv.get("/extensions/comfyui-fluxaccel/fluxaccel.js")
+        assert "comfyui-fluxaccel" in srv.get("/workflow_templates")
+        log = srv.log_path.read_text(errors="replace")
+    ours = [line for line in log.splitlines() if "comfyui-fluxaccel" in line]
+    assert ours and not [line for line in ours if "IMPORT FAILED" in line], ours
+
+
+def test_registry_metadata_and_self_describing_nodes(server):
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project, comfy = meta["project"], meta["tool"]["comfy"]
+    assert project["name"] == "comfyui-fluxaccel" and re.fullmatch(r"\d+\.\d+\.\d+", project["version"])
+    assert project["description"] and project["license"]["text"] == "GPL-3.0-or-later"
+    assert project["urls"]["Repository"].startswith("https://")
+    assert comfy["PublisherId"] and comfy["DisplayName"] == "FluxAccel" and comfy["Icon"].endswith("icon.svg")
+    assert (ROOT / "web" / "icon.svg").is_file()
+    assert "GNU GENERAL PUBLIC LICENSE" in (ROOT / "LICENSE").read_text() and "Version 3" in (ROOT / "LICENSE").read_text()
+    reqs = (ROOT / "requirements.txt").read_text().split()
+    assert reqs == [f"torchao{project['dependencies'][0][len('torchao'):]}"]
+    info = server.get("/object_info")
+    for name in OURS:
+        node = info[name]
+        assert node["category"].startswith("FluxAccel") and len(node["description"]) > 40, name
+        for group in ("required", "optional"):
+            for inp, spec in node["input"].get(group, {}).items():
+                opts = spec[1] if len(spec) > 1 else {}
+                assert opts.get("tooltip"), f"{name}.{inp} has no tooltip"
