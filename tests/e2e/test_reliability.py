@@ -76,3 +76,40 @@ def test_five_concurrent_clients_four_prompts_each(server):
     for s in (100, 107, 119):
         again = _latent(server, server.run(_prompt(seed=s, fp8=(s % 2 == 0), tag=f"again{s}")))
         assert torch.equal(again, results[s]), s
+
+
+def test_interrupt_during_warmup_then_the_compiled_model_still_works(server):
+    """/interrupt while the Warmup node samples (its progress events are the trigger); the same workflow then
+    completes, the compiled model matches the eager one, and the interrupted warmup left no extra compile."""
+    from core.metrics import rel_err
+
+    def graph(steps, tag, compiled=True, max_shapes=1):
+        g = flux_inputs()
+        g["4"] = {"class_type": "FluxAccelCompile", "inputs": {"model": ["1", 0], "cuda_graphs": True,
+                                                               "mode": "default", "resolution_policy": "strict",
+                                                               "max_shapes": max_shapes}}
+        g["8"] = {"class_type": "FluxAccelWarmup", "inputs": {"model": ["4", 0], "resolutions": "64x64",
+                                                              "batch_size": 1, "text_length": 16, "cfg": 1.0,
+                                                              "steps": steps, "positive": ["2", 0]}}
+        g.update(sample_and_save("8" if compiled else "1", seed=9, steps=2, tag=tag))
+        return g
+
+    events, warming = [], threading.Event()
+
+    def on_event(kind, data):
+        events.append((kind, data.get("node")))
+        if kind == "progress" and data.get("node") == "8":
+            warming.set()
+
+    t = threading.Thread(target=lambda: (warming.wait(300), server.interrupt()))
+    t.start()
+    with pytest.raises(PromptFailed):
+        server.run_following(graph(steps=100, tag="warm-int", max_shapes=2), on_event)
+    t.join()
+    assert ("execution_interrupted", None) in [(k, None) for k, _ in events]
+    compiled_before = server.log_path.read_text(errors="replace").count("FluxAccel: compiled ")
+    out = _latent(server, server.run(graph(steps=1, tag="warm-ok", max_shapes=2)))
+    ref = _latent(server, server.run(graph(steps=1, tag="warm-ref", compiled=False, max_shapes=2)))
+    assert rel_err(out, ref) < 2e-2
+    # the Compile node's output (and its compiled graph) survived the interrupt: no second compile of 64x64
+    assert server.log_path.read_text(errors="replace").count("FluxAccel: compiled ") == compiled_before
