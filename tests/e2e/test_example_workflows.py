@@ -44,3 +44,28 @@ def test_server_lists_the_ui_workflows_as_templates(server):
     assert sorted(templates["comfyui-fluxaccel"]) == sorted(p.stem for p in EXAMPLES.glob("*.json"))
     served = server.get("/api/workflow_templates/comfyui-fluxaccel/fluxaccel_txt2img_dev.json")
     assert served == json.loads((EXAMPLES / "fluxaccel_txt2img_dev.json").read_text())
+
+
+def test_quickstart_api_workflow_headless(server):
+    """The quickstart API workflow through POST /prompt, followed over the websocket: the Warmup node reports
+    progress while it compiles, and /history holds the outputs of Quantize, Warmup and Benchmark."""
+    api = json.loads((EXAMPLES / "api" / "fluxaccel_quickstart.json").read_text())
+    api["1"]["inputs"]["unet_name"] = E2E_UNET
+    api["2"]["inputs"]["text_length"] = 16
+    api["4"]["inputs"]["max_shapes"] = 3  # its own compiled model (other tests compile with other settings)
+    api["5"]["inputs"].update(resolutions="64x64", text_length=16, steps=2)
+    api["6"]["inputs"].update(width=64, height=64, steps=1, runs=1, text_length=16)
+    progress = {}
+
+    def on_event(kind, data):
+        if kind == "progress":
+            progress.setdefault(data["node"], []).append((data["value"], data["max"]))
+
+    hist = server.run_following(api, on_event)
+    assert progress.get("5") and progress["5"][-1] == (2, 2), progress  # Warmup: 1 shape x 2 steps
+    assert progress.get("6")
+    out = hist["outputs"]
+    assert "FP8 per_row" in out["3"]["text"][0]
+    assert "64x64" in out["5"]["text"][0] or "8x8" in out["5"]["text"][0]
+    assert "| fp8-per_row+compile+graphs |" in out["6"]["text"][0].replace("|  ", "| ")
+    assert out["6"]["images"] and out["6"]["fluxaccel_json"] and out["6"]["fluxaccel_speedup"][0] > 0
