@@ -3,6 +3,7 @@
 # Carry .gpu (built here by ../shared/gpu/fetch-kit.sh with
 #   EXTRA_WHEELS="comfyui-frontend-package==1.32.9" TORCHAO_VERSION=0.18.0)
 # and call:  bash bench/device.sh --case dev-1024-28 [--suite compile] [more tools/bench.py args]
+#        or:  bash bench/device.sh --reliability   (tools/reliability.py: interrupt, /free, 50 prompts on the GPU)
 # Results land in $OUT/results, the ComfyUI log in $OUT. FLUXACCEL_PROBES=1 first runs bench/probes/*.
 set -euo pipefail
 source .gpu/setup-on-device.sh
@@ -16,5 +17,9 @@ mkdir -p "$OUT/results"
 if [ -n "${FLUXACCEL_PROBES:-}" ]; then
   PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync python3 bench/probes/cuda_graphs_allocator.py 2>&1 | grep PROBE || true
   python3 bench/probes/cuda_graphs_allocator.py 2>&1 | grep PROBE || true
+fi
+if [ "${1:-}" = "--reliability" ]; then  # the GPU reliability cases instead of a benchmark
+  shift
+  exec python3 tools/reliability.py "$@" --out "$OUT/results" --models-dir /tmp/fluxaccel-models
 fi
 python3 tools/bench.py "$@" --out "$OUT/results" --models-dir /tmp/fluxaccel-models --log "$OUT/comfyui-$(date +%s).log"

@@ -1,0 +1,164 @@
+"""Reliability cases that need the GPU (CUDA graphs, VRAM), run against a real ComfyUI server on 127.0.0.1.
+
+    python tools/reliability.py            # on the H200 (bench/device.sh-style kit): writes <out>/reliability-h200.json
+    python tools/reliability.py --prompts 6   # on a CPU: the same cases, small, as a check of the script itself
+
+Model: the e2e FLUX file (FLUX.1 width 3072, 1 double + 1 single block, random weights), Quantize FP8 per-row ->
+Compile + CUDA Graph (strict) -> KSampler, 512x512 and 256 tokens on a GPU (64x64 and 16 tokens on a CPU).
+Cases (issue: reliability, items 4, 5 and 7):
+  interrupt     /interrupt during sampling; the next prompt equals the reference, with the captured graphs
+  free_reload   /free unloads the model; the rerun equals the reference
+  vram_50       N consecutive prompts (new seed each): allocated VRAM and host RSS grow < 2 % after the first 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools import host  # noqa: E402
+from tools.comfy_server import ComfyServer, PromptFailed  # noqa: E402
+
+log = logging.getLogger("fluxaccel.reliability")
+UNET = "fluxaccel-random-e2e.safetensors"
+
+
+def prompt(seed: int, steps: int, size: int, text_length: int, tag: str, latent_node="EmptySD3LatentImage") -> dict:
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": UNET, "weight_dtype": "default"}},
+        "2": {"class_type": "FluxAccelSyntheticConditioning",
+              "inputs": {"model": ["1", 0], "text_length": text_length, "guidance": 3.5, "seed": 0}},
+        "3": {"class_type": latent_node, "inputs": {"width": size, "height": size, "batch_size": 1}},
+        "4": {"class_type": "FluxAccelQuantizeFP8", "inputs": {"model": ["1", 0], "granularity": "per_row",
+                                                               "scope": "blocks"}},
+        "5": {"class_type": "FluxAccelCompile", "inputs": {"model": ["4", 0], "cuda_graphs": True, "mode": "default",
+                                                           "resolution_policy": "strict", "max_shapes": 1}},
+        "6": {"class_type": "KSampler", "inputs": {"model": ["5", 0], "seed": seed, "steps": steps, "cfg": 1.0,
+                                                   "sampler_name": "euler", "scheduler": "simple",
+                                                   "positive": ["2", 0], "negative": ["2", 0],
+                                                   "latent_image": ["3", 0], "denoise": 1.0}},
+        "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": tag}},
+    }
+
+
+def latent(server: ComfyServer, hist: dict):
+    from safetensors.torch import load_file
+
+    f = hist["outputs"]["7"]["latents"][0]
+    return load_file(str(server.output_dir / f["subfolder"] / f["filename"]))["latent_tensor"]
+
+
+def sampled(hist: dict) -> bool:
+    """The KSampler ran in this prompt (was not served from ComfyUI's node cache)."""
+    cached = next((m[1]["nodes"] for m in hist["status"]["messages"] if m[0] == "execution_cached"), [])
+    return "6" not in cached
+
+
+def vram_allocated(server: ComfyServer) -> int | None:
+    """Bytes PyTorch holds in live tensors in the server process (ComfyUI's /system_stats: reserved - free)."""
+    dev = server.get("/system_stats")["devices"][0]
+    if dev.get("type") != "cuda":
+        return None
+    return int(dev["torch_vram_total"] - dev["torch_vram_free"])
+
+
+def rss(server: ComfyServer) -> int:
+    with open(f"/proc/{server.proc.pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def main(argv=None) -> int:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--models-dir", default=str(ROOT / ".cache" / "models"))
+    ap.add_argument("--prompts", type=int, default=50)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[fluxaccel] %(message)s")
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    size, text_length, steps = (512, 256, 4) if gpu else (64, 16, 1)
+    comfy_dir = host.import_comfy(host.ensure_host())
+    from core.test_models import write_flux_file
+
+    models = Path(a.models_dir)
+    write_flux_file(models / "diffusion_models" / UNET, "e2e", device="cuda" if gpu else "cpu")
+    args, env = (["--disable-cuda-malloc"], {}) if gpu else (list(host.CPU_SERVER_ARGS), {"FLUXACCEL_ALLOW_CPU_FP8": "1"})
+    cases: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="fluxaccel-rel-") as work:
+        srv = ComfyServer(comfy_dir, Path(work), models, tuple(args), env=env).start()
+        try:
+            run = lambda seed, tag, n=steps: srv.run(prompt(seed, n, size, text_length, tag))  # noqa: E731
+            ref = latent(srv, run(1, "ref"))
+
+            # interrupt during sampling, then the reference again (ComfyUI re-executes: the KSampler did not finish)
+            events, sampling = [], threading.Event()
+
+            def on_event(kind, data):
+                events.append(kind)
+                if kind == "progress" and data.get("node") == "6":
+                    sampling.set()
+
+            t = threading.Thread(target=lambda: (sampling.wait(600), srv.interrupt()))
+            t.start()
+            try:
+                srv.run_following(prompt(2, 10_000, size, text_length, "long"), on_event)
+                interrupted = False
+            except PromptFailed:
+                interrupted = "execution_interrupted" in events
+            t.join()
+            hist = run(1, "after-interrupt")
+            after = latent(srv, hist)
+            cases["interrupt"] = {"interrupted": interrupted, "sampled_again": sampled(hist),
+                                  "equal_to_reference": bool(torch.equal(after, ref)),
+                                  "passed": bool(interrupted and sampled(hist) and torch.equal(after, ref))}
+
+            # unload the model, then the same prompt on the reloaded model. ComfyUI keeps its node cache across
+            # /free, so an equivalent empty-latent node (the same zeros for FLUX) makes the KSampler run again.
+            srv.free(unload_models=True, free_memory=True)
+            hist = srv.run(prompt(1, steps, size, text_length, "after-free", latent_node="EmptyLatentImage"))
+            again = latent(srv, hist)
+            cases["free_reload"] = {"sampled_again": sampled(hist), "equal_to_reference": bool(torch.equal(again, ref)),
+                                    "passed": bool(sampled(hist) and torch.equal(again, ref))}
+
+            # N prompts with new seeds: memory after each
+            vram, host_rss, t0 = [], [], time.perf_counter()
+            for i in range(a.prompts):
+                run(100 + i, f"soak{i}")
+                vram.append(vram_allocated(srv))
+                host_rss.append(rss(srv))
+            growth = lambda xs: (xs[-1] - xs[2]) / xs[2] if xs[2] else None  # noqa: E731
+            g_vram = growth(vram) if gpu else None
+            g_rss = growth(host_rss)
+            cases["vram_50"] = {"prompts": a.prompts, "seconds": round(time.perf_counter() - t0, 1),
+                                "vram_allocated_bytes": vram, "host_rss_bytes": host_rss,
+                                "vram_growth_after_3": g_vram, "rss_growth_after_3": g_rss,
+                                "passed": bool(g_rss < 0.02 and (g_vram is None or g_vram < 0.02))}
+        finally:
+            srv.stop()
+    from core.env import describe
+
+    result = {"gpu": gpu or "cpu", "env": describe(), "settings": {"size": size, "text_length": text_length,
+                                                                   "steps": steps, "server_args": args},
+              "command": "python tools/reliability.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "cases": cases, "passed": sum(c["passed"] for c in cases.values()), "total": len(cases)}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"reliability-{'h200' if gpu and 'H200' in gpu else (gpu or 'cpu').lower().replace(' ', '-')}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    for name, c in cases.items():
+        print(f"{name:12s} {'pass' if c['passed'] else 'FAIL'}")
+    print(f"{result['passed']}/{result['total']} passed; wrote {path}")
+    return 0 if result["passed"] == result["total"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
