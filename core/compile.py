@@ -82,6 +82,12 @@ def shape_key(x: torch.Tensor, context: torch.Tensor | None) -> ShapeKey:
     return ShapeKey(int(x.shape[0]), int(x.shape[-2]), int(x.shape[-1]), text, dtype_name(x.dtype))
 
 
+def _cudagraph_skips() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
 def _unsupported_options(transformer_options: dict) -> list[str]:
     """Per-block patches and diffusion-model wrappers that the compiled graph would silently drop."""
     found = []
@@ -102,6 +108,7 @@ class CompileStats:
     marks: int = 0
     eager_calls: int = 0
     cache_loaded: bool = False
+    graph_skips: dict[ShapeKey, int] = field(default_factory=dict)  # inductor's cudagraph_skips at each compile
     # last warm calls: host seconds spent inside the call (graph replay is asynchronous, so on a GPU this is the
     # launch overhead: guards, input checks, replay) and (start, end) CUDA events around it (device time)
     host_s: deque = field(default_factory=lambda: deque(maxlen=256))
@@ -213,6 +220,7 @@ class CompiledFlux(torch.nn.Module):
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         t0 = time.perf_counter()
+        skips_before = _cudagraph_skips() if first else 0
         if self.graphs:
             # A new CUDA-graph step per model call: outputs of the previous call may be overwritten from here on,
             # which is safe because we return a copy below.
@@ -232,6 +240,13 @@ class CompiledFlux(torch.nn.Module):
                 torch.cuda.synchronize(out.device)
             self.stats.compile_seconds[key] = time.perf_counter() - t0
             log.info("FluxAccel: compiled %s in %.1f s", key.describe(), self.stats.compile_seconds[key])
+            skipped = _cudagraph_skips() - skips_before
+            if skipped and self.graphs_active:
+                # inductor fell back to running (part of) the graph without CUDA graphs: correct, but slower
+                self.stats.graph_skips[key] = skipped
+                log.warning("FluxAccel: inductor skipped CUDA graphs %d time(s) while compiling %s; this shape runs "
+                            "compiled without (some) graphs. The reason: start ComfyUI with "
+                            "TORCH_LOGS=perf_hints.", skipped, key.describe())
             if self.cache is not None:
                 self.cache.save()
             if self.on_compiled is not None:

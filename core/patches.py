@@ -31,7 +31,8 @@ def describe(model) -> dict:
                           "shapes": [k.describe() for k in st.shapes],
                           "compile_seconds": {k.describe(): round(v, 2) for k, v in st.compile_seconds.items()},
                           "calls": st.calls, "graph_step_marks": st.marks, "eager_calls": st.eager_calls,
-                          "cache_loaded": st.cache_loaded, **st.call_timings()}
+                          "cache_loaded": st.cache_loaded, "graph_skips": sum(st.graph_skips.values()),
+                          **st.call_timings()}
     return out
 
 

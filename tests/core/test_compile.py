@@ -187,3 +187,28 @@ def test_partial_lowvram_load_is_refused(tiny_flux):
     with pytest.raises(FluxAccelError, match="only partially.*--highvram"):
         model.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1024)
     model.unpatch_model(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("skips", [0, 2])
+def test_cuda_graph_skips_at_compile_are_reported(tiny_flux, counters, monkeypatch, caplog, skips):
+    """If inductor falls back from CUDA graphs while compiling a shape (its cudagraph_skips counter moves), the
+    model still runs, but the user is told and the stats/badge say so. Simulated on the CPU: graphs count as
+    active, and the counter is moved inside the first compiled call as inductor would."""
+    from core.compile import CompiledFlux
+    from core.patches import describe
+
+    monkeypatch.setattr(CompiledFlux, "graphs_active", property(lambda self: True))
+    model, compiled = apply_compile(tiny_flux, CompileConfig(cuda_graphs=True))
+    inner = compiled._compiled
+
+    def compiled_with_skips(*a, **k):
+        counters["inductor"]["cudagraph_skips"] += skips
+        return inner(*a, **k)
+
+    object.__setattr__(compiled, "_compiled", compiled_with_skips)
+    with caplog.at_level("WARNING", logger="fluxaccel.compile"):
+        _denoise_once(model)
+    warned = [r for r in caplog.records if "skipped CUDA graphs" in r.getMessage()]
+    assert len(warned) == (1 if skips else 0)
+    assert sum(compiled.stats.graph_skips.values()) == skips
+    assert describe(model)["compile"]["graph_skips"] == skips
