@@ -65,7 +65,12 @@ def test_quickstart_api_workflow_headless(server):
     assert progress.get("5") and progress["5"][-1] == (2, 2), progress  # Warmup: 1 shape x 2 steps
     assert progress.get("6")
     out = hist["outputs"]
-    assert "FP8 per_row" in out["3"]["text"][0]
+    cached = next((m[1]["nodes"] for m in hist["status"]["messages"] if m[0] == "execution_cached"), [])
+    if "3" in cached:  # the same Quantize inputs ran in an earlier prompt of this server (e.g. the browser test)
+        assert "3" not in out
+    else:
+        assert "FP8 per_row" in out["3"]["text"][0]
+    assert "5" not in cached and "6" not in cached
     assert "64x64" in out["5"]["text"][0] or "8x8" in out["5"]["text"][0]
     assert "| fp8-per_row+compile+graphs |" in out["6"]["text"][0].replace("|  ", "| ")
     assert out["6"]["images"] and out["6"]["fluxaccel_json"] and out["6"]["fluxaccel_speedup"][0] > 0
