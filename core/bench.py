@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from .compile import cudagraph_skips
 from .metrics import rel_err, sqnr_db
 
 log = logging.getLogger("fluxaccel.bench")
@@ -150,12 +151,6 @@ def denoiser_outputs(model, case: BenchCase, positive, sigmas=FIDELITY_SIGMAS) -
     return outs
 
 
-def _graph_skips() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["inductor"]["cudagraph_skips"])
-
-
 def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negative,
               on_progress: Callable[[str], None] | None = None, on_step: Callable | None = None,
               describe: Callable[[object], dict] | None = None) -> list[BenchRow]:
@@ -175,10 +170,10 @@ def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negat
         _sync(dev)
         t0 = time.perf_counter()
         mm.load_models_gpu([m])
-        before = _graph_skips()
+        before = cudagraph_skips()
         out, _, _ = sample_timed(m, case, positive, negative, latent, on_step)
         first[label] = time.perf_counter() - t0
-        skips[label] = _graph_skips() - before
+        skips[label] = cudagraph_skips() - before
         if skips[label]:
             log.warning("%s: inductor skipped CUDA graphs %d time(s) while compiling (see TORCH_LOGS=perf_hints)",
                         label, skips[label])

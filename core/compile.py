@@ -82,7 +82,8 @@ def shape_key(x: torch.Tensor, context: torch.Tensor | None) -> ShapeKey:
     return ShapeKey(int(x.shape[0]), int(x.shape[-2]), int(x.shape[-1]), text, dtype_name(x.dtype))
 
 
-def _cudagraph_skips() -> int:
+def cudagraph_skips() -> int:
+    """Inductor's running count of graphs it compiled without CUDA graphs (a fallback, not an error)."""
     from torch._dynamo.utils import counters
 
     return int(counters["inductor"]["cudagraph_skips"])
@@ -220,7 +221,7 @@ class CompiledFlux(torch.nn.Module):
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         t0 = time.perf_counter()
-        skips_before = _cudagraph_skips() if first else 0
+        skips_before = cudagraph_skips() if first else 0
         if self.graphs:
             # A new CUDA-graph step per model call: outputs of the previous call may be overwritten from here on,
             # which is safe because we return a copy below.
@@ -235,12 +236,12 @@ class CompiledFlux(torch.nn.Module):
             if events is not None:
                 events[1].record()
                 self.stats.device_events.append(events)
-        if first:
+        else:
             if out.is_cuda:
                 torch.cuda.synchronize(out.device)
             self.stats.compile_seconds[key] = time.perf_counter() - t0
             log.info("FluxAccel: compiled %s in %.1f s", key.describe(), self.stats.compile_seconds[key])
-            skipped = _cudagraph_skips() - skips_before
+            skipped = cudagraph_skips() - skips_before
             if skipped and self.graphs_active:
                 # inductor fell back to running (part of) the graph without CUDA graphs: correct, but slower
                 self.stats.graph_skips[key] = skipped

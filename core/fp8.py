@@ -121,7 +121,7 @@ def _cpu_gate_lifted(device: torch.device):
 
 class _Fp8DeviceMove:
     """Mixin for quantized Linears: moves an FP8 weight by moving its plain tensors (qdata, scale), and refuses
-    weight patches that arrive after quantization (see set_weight).
+    weight patches that arrive after quantization (see convert_weight).
 
     ComfyUI moves modules with Module.to() when it loads/unloads a model. With torch 2.11 and torchao 0.18,
     Float8Tensor.to(other device) fails in torch's aliasing check of aten.to ("Attempted to set the storage
@@ -142,7 +142,6 @@ class _Fp8DeviceMove:
                 w = torch.nn.Parameter(w._apply_fn_to_data(lambda t: t.to(target)), requires_grad=False)
             self._parameters["weight"] = w
         return self
-
 
     def convert_weight(self, weight, inplace=False, **kwargs):
         """ComfyUI calls this (found by get_key_weight) when it applies a weight patch (LoRA, ...) to this Linear,

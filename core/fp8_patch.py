@@ -99,14 +99,13 @@ LATE_PATCH_MESSAGE = (
 def _refuse_late_weight_patches(fp8_modules: list[str], node: str):
     """ON_CLONE callback: clones of an FP8 model refuse weight patches on FP8 Linears when they are added (the
     LoRA node fails with a clear message), instead of failing or being dropped later when the model loads."""
-    fp8_params = {f"{k}.{p}" for k in fp8_modules for p in ("weight",)}
+    fp8_weights = {f"{k}.weight" for k in fp8_modules}
 
     def on_clone(old, new):
         add = new.add_patches
 
         def add_patches(patches, strength_patch=1.0, strength_model=1.0):
-            hit = sorted(k if isinstance(k, str) else k[0] for k in patches)
-            hit = [k for k in hit if k in fp8_params]
+            hit = sorted(k for k in (p if isinstance(p, str) else p[0] for p in patches) if k in fp8_weights)
             if hit:
                 raise FluxAccelError(LATE_PATCH_MESSAGE.format(node=node, n=len(hit), example=hit[0]))
             return add(patches, strength_patch, strength_model)

@@ -162,6 +162,23 @@ class ComfyServer:
     def run(self, prompt: dict, timeout: float = 1800) -> dict:
         return self.wait(self.queue(prompt), timeout=timeout)
 
+    @staticmethod
+    def cached_nodes(hist: dict) -> list[str]:
+        """Node ids ComfyUI served from its node cache in this prompt (not executed)."""
+        return next((m[1]["nodes"] for m in hist["status"]["messages"] if m[0] == "execution_cached"), [])
+
+    def saved_latent(self, hist: dict, node: str):
+        """The latent a SaveLatent node wrote in this prompt, read back from the output folder."""
+        from safetensors.torch import load_file
+
+        f = hist["outputs"][node]["latents"][0]
+        return load_file(str(self.output_dir / f["subfolder"] / f["filename"]))["latent_tensor"]
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server process (Linux)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
     def free(self, unload_models: bool = True, free_memory: bool = True) -> None:
         self.post("/free", {"unload_models": unload_models, "free_memory": free_memory})
 

@@ -49,17 +49,9 @@ def prompt(seed: int, steps: int, size: int, text_length: int, tag: str, latent_
     }
 
 
-def latent(server: ComfyServer, hist: dict):
-    from safetensors.torch import load_file
-
-    f = hist["outputs"]["7"]["latents"][0]
-    return load_file(str(server.output_dir / f["subfolder"] / f["filename"]))["latent_tensor"]
-
-
 def sampled(hist: dict) -> bool:
     """The KSampler ran in this prompt (was not served from ComfyUI's node cache)."""
-    cached = next((m[1]["nodes"] for m in hist["status"]["messages"] if m[0] == "execution_cached"), [])
-    return "6" not in cached
+    return "6" not in ComfyServer.cached_nodes(hist)
 
 
 def vram_allocated(server: ComfyServer) -> int | None:
@@ -68,11 +60,6 @@ def vram_allocated(server: ComfyServer) -> int | None:
     if dev.get("type") != "cuda":
         return None
     return int(dev["torch_vram_total"] - dev["torch_vram_free"])
-
-
-def rss(server: ComfyServer) -> int:
-    with open(f"/proc/{server.proc.pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def main(argv=None) -> int:
@@ -97,7 +84,7 @@ def main(argv=None) -> int:
         srv = ComfyServer(comfy_dir, Path(work), models, tuple(args), env=env).start()
         try:
             run = lambda seed, tag, n=steps: srv.run(prompt(seed, n, size, text_length, tag))  # noqa: E731
-            ref = latent(srv, run(1, "ref"))
+            ref = srv.saved_latent(run(1, "ref"), "7")
 
             # interrupt during sampling, then the reference again (ComfyUI re-executes: the KSampler did not finish)
             events, sampling = [], threading.Event()
@@ -116,7 +103,7 @@ def main(argv=None) -> int:
                 interrupted = "execution_interrupted" in events
             t.join()
             hist = run(1, "after-interrupt")
-            after = latent(srv, hist)
+            after = srv.saved_latent(hist, "7")
             cases["interrupt"] = {"interrupted": interrupted, "sampled_again": sampled(hist),
                                   "equal_to_reference": bool(torch.equal(after, ref)),
                                   "passed": bool(interrupted and sampled(hist) and torch.equal(after, ref))}
@@ -125,7 +112,7 @@ def main(argv=None) -> int:
             # /free, so an equivalent empty-latent node (the same zeros for FLUX) makes the KSampler run again.
             srv.free(unload_models=True, free_memory=True)
             hist = srv.run(prompt(1, steps, size, text_length, "after-free", latent_node="EmptyLatentImage"))
-            again = latent(srv, hist)
+            again = srv.saved_latent(hist, "7")
             cases["free_reload"] = {"sampled_again": sampled(hist), "equal_to_reference": bool(torch.equal(again, ref)),
                                     "passed": bool(sampled(hist) and torch.equal(again, ref))}
 
@@ -134,7 +121,7 @@ def main(argv=None) -> int:
             for i in range(a.prompts):
                 run(100 + i, f"soak{i}")
                 vram.append(vram_allocated(srv))
-                host_rss.append(rss(srv))
+                host_rss.append(srv.rss_bytes())
             growth = lambda xs: (xs[-1] - xs[2]) / xs[2] if xs[2] else None  # noqa: E731
             g_vram = growth(vram) if gpu else None
             g_rss = growth(host_rss)

@@ -39,20 +39,18 @@ def flux_inputs(size=64, text_length=16, latent_node="EmptySD3LatentImage", weig
     }
 
 
-def sample_and_save(model: str, seed: int, steps: int, tag: str, ksampler: str = "5", save: str = "6") -> dict:
-    """A KSampler on `model` (a node id) with nodes 2/3 as conditioning/latent, and a SaveLatent of its output."""
+def sample_and_save(model: str, seed: int, steps: int, tag: str, ksampler: str = "5", save: str = "6",
+                    cond: str = "2", latent: str = "3") -> dict:
+    """A KSampler on `model` (a node id) with `cond`/`latent` as conditioning/latent, and a SaveLatent of its output."""
     return {
         ksampler: {"class_type": "KSampler", "inputs": {"model": [model, 0], "seed": seed, "steps": steps, "cfg": 1.0,
                                                         "sampler_name": "euler", "scheduler": "simple",
-                                                        "positive": ["2", 0], "negative": ["2", 0],
-                                                        "latent_image": ["3", 0], "denoise": 1.0}},
+                                                        "positive": [cond, 0], "negative": [cond, 0],
+                                                        "latent_image": [latent, 0], "denoise": 1.0}},
         save: {"class_type": "SaveLatent", "inputs": {"samples": [ksampler, 0], "filename_prefix": tag}},
     }
 
 
 def saved_latent(server, hist, node: str = "6"):
     """The latent a SaveLatent node wrote, read back from the server's output folder."""
-    from safetensors.torch import load_file
-
-    f = hist["outputs"][node]["latents"][0]
-    return load_file(str(server.output_dir / f["subfolder"] / f["filename"]))["latent_tensor"]
+    return server.saved_latent(hist, node)

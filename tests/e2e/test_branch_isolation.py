@@ -57,7 +57,7 @@ def test_plain_and_fp8_prompts_alternating_ten_times(server):
     for i in range(10):
         fp8 = i % 2 == 1
         hist = server.run(_graph(fp8=fp8, plain=not fp8, tag=f"alt{i}"))
-        cached = next((m[1]["nodes"] for m in hist["status"]["messages"] if m[0] == "execution_cached"), [])
+        cached = server.cached_nodes(hist)
         ks, save = ("21", "22") if fp8 else ("10", "11")
         assert ks not in cached, f"prompt {i}: the KSampler must run, not come from ComfyUI's cache"
         out = _latent(server, hist, save)

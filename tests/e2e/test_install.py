@@ -5,9 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import tomllib
-from pathlib import Path
 
 import pytest
 

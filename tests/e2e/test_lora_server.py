@@ -6,7 +6,7 @@ import torch
 
 from tools.comfy_server import PromptFailed
 
-from .conftest import E2E_UNET, MODELS_DIR, flux_inputs, sample_and_save, saved_latent
+from .conftest import MODELS_DIR, flux_inputs, sample_and_save, saved_latent
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ from core.metrics import rel_err
 from tools.comfy_server import ComfyServer
 from tools.host import CPU_SERVER_ARGS
 
-from .conftest import E2E_UNET, MODELS_DIR, saved_latent
+from .conftest import E2E_UNET, MODELS_DIR, sample_and_save, saved_latent
 
 pytestmark = pytest.mark.e2e
 
@@ -42,11 +42,7 @@ def _branches(prefix: str, unet: str, size: int, seed: int) -> dict:
                                                             "resolution_policy": "strict", "max_shapes": 1}},
     }
     for model, k, save in ((n(4), n(5), n(6)), (n(1), n(7), n(8))):
-        g[k] = {"class_type": "KSampler", "inputs": {"model": [model, 0], "seed": seed, "steps": 2, "cfg": 1.0,
-                                                     "sampler_name": "euler", "scheduler": "simple",
-                                                     "positive": [n(2), 0], "negative": [n(2), 0],
-                                                     "latent_image": [n(3), 0], "denoise": 1.0}}
-        g[save] = {"class_type": "SaveLatent", "inputs": {"samples": [k, 0], "filename_prefix": f"{prefix}{seed}"}}
+        g.update(sample_and_save(model, seed, 2, f"{prefix}{seed}", ksampler=k, save=save, cond=n(2), latent=n(3)))
     return g
 
 
