@@ -45,11 +45,23 @@ try {
   result.categories = await page.evaluate(() => Object.fromEntries(
     Object.entries(window.LiteGraph.registered_node_types)
       .filter(([k]) => k.startsWith("FluxAccel")).map(([k, v]) => [k, v.category])));
-  await page.locator("#graph-canvas").dblclick({ position: { x: 1100, y: 600 } });
-  await page.waitForTimeout(800);
-  await page.keyboard.type("FluxAccel");
-  await page.waitForTimeout(1500);
+  // a double click on empty canvas opens the search box; on a loaded machine it can take a while to appear, or a
+  // late dialog can swallow the click, so wait for the box itself and try again (Escape closes whatever is open)
+  const searchInput = page.locator(".comfy-vue-node-search-container input").first();
+  for (let attempt = 1; attempt <= 4 && !(await searchInput.isVisible()); attempt++) {
+    await page.keyboard.press("Escape");
+    await page.locator("#graph-canvas").dblclick({ position: { x: 1100, y: 600 } });
+    await searchInput.waitFor({ state: "visible", timeout: 15000 }).catch(() => step(`search box: attempt ${attempt}`));
+  }
+  await searchInput.fill("FluxAccel");
+  const ourTitles = ["Quantize FP8 (FluxAccel)", "Compile + CUDA Graph (FluxAccel)", "Warmup (FluxAccel)",
+    "Benchmark (FluxAccel)"];
+  await page.waitForFunction((titles) => {
+    const text = [...document.querySelectorAll("[role=option]")].map((o) => o.innerText.replace(/\s+/g, " ")).join("\n");
+    return titles.every((t) => text.includes(t));
+  }, ourTitles, { timeout: 60000, polling: 500 }).catch(() => step("search results: not all of our nodes listed"));
   result.searchResults = await page.locator("[role=option]:visible").allInnerTexts();
+  result.openDialogs = await page.locator("[role=dialog]:visible").allInnerTexts();
   await page.screenshot({ path: `${out}/node-search.png` });
   await page.keyboard.press("Escape");
   await page.waitForTimeout(500);

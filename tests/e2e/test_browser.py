@@ -41,7 +41,8 @@ def test_editor_in_a_real_browser(server):
     found = "\n".join(r["searchResults"])
     for title in ("Quantize FP8 (FluxAccel)", "Compile + CUDA Graph (FluxAccel)", "Warmup (FluxAccel)",
                   "Benchmark (FluxAccel)"):
-        assert title in found, f"{title!r} not in the node search results: {r['searchResults']}"
+        assert title in found, (f"{title!r} not in the node search results: {r['searchResults']}; "
+                               f"open dialogs: {r.get('openDialogs')}; log: {p.stderr[-1500:]}")
     assert "fluxaccel_quickstart" in r["templateCards"]
     assert set(r["loadedTypes"]) >= ours | {"UNETLoader"}
     w = r["benchmarkWidgets"]  # widget values land on the right widgets (seed's control_after_generate included)
