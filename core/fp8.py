@@ -2,7 +2,10 @@
 
 Module-level patching of a ComfyUI model lives in fp8_patch.py; this file knows nothing of ComfyUI.
 Quantization itself is torchao's: quantize_ with Float8DynamicActivationFloat8WeightConfig
-(dynamic FP8 activations, FP8 weights, e4m3), per-tensor or per-row scales.
+(dynamic FP8 activations, FP8 weights, e4m3), per-tensor or per-row scales. Two layouts of the result:
+"subclass" keeps torchao's Float8Tensor weight parameter; "plain" keeps its FP8 data and scale as plain
+tensors and runs torchao's own activation quantization and scaled GEMM functions on them (fp8_linear), so a
+compiled model takes no tensor-subclass inputs (no per-call flatten/unflatten or subclass guards).
 """
 from __future__ import annotations
 
@@ -19,8 +22,10 @@ from .errors import FluxAccelError
 
 Granularity = Literal["per_tensor", "per_row"]
 Scope = Literal["blocks", "blocks+modulation", "all_linear"]
+Layout = Literal["subclass", "plain"]
 GRANULARITIES: tuple[str, ...] = ("per_tensor", "per_row")
 SCOPES: tuple[str, ...] = ("blocks", "blocks+modulation", "all_linear")
+LAYOUTS: tuple[str, ...] = ("subclass", "plain")
 
 _IN_BLOCKS = re.compile(r"^(double_blocks|single_blocks)\.\d+\.")
 # FLUX's modulation linears: img_mod/txt_mod in double blocks, modulation in single blocks.
@@ -36,16 +41,27 @@ class Fp8Config:
                          that carry ~all FLOPs; embedders, modulation and the final layer stay bf16)
       blocks+modulation  also the modulation Linears (small M: they see one token per image)
       all_linear         every Linear, embedders and final layer included
+
+    layout:
+      subclass           the weight stays torchao's Float8Tensor (F.linear dispatches to torchao)
+      plain              FP8 data + scale as plain tensors, same torchao numerics (see fp8_linear)
     """
 
     granularity: Granularity = "per_row"
     scope: Scope = "blocks"
+    layout: Layout = "subclass"
 
     def __post_init__(self):
         if self.granularity not in GRANULARITIES:
             raise FluxAccelError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
         if self.scope not in SCOPES:
             raise FluxAccelError(f"scope must be one of {SCOPES}, got {self.scope!r}")
+        if self.layout not in LAYOUTS:
+            raise FluxAccelError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+
+    def key(self) -> list[str]:
+        """What identifies this config in a model's options (and in compile-cache keys)."""
+        return [self.granularity, self.scope, self.layout]
 
     def torchao_config(self):
         """The torchao config; set_inductor_config=False keeps process-wide inductor settings untouched."""
@@ -92,14 +108,46 @@ def select_linears(named_linears: Iterable[tuple[str, torch.nn.Linear]], cfg: Fp
 
 
 def is_fp8_weight(t: torch.Tensor) -> bool:
+    """A torchao Float8Tensor (the "subclass" layout's weight)."""
     return hasattr(t, "qdata") and hasattr(t, "scale")
 
 
-def weight_bytes(t: torch.Tensor) -> int:
-    """Bytes a weight occupies: FP8 data plus scales for a Float8Tensor, plain size otherwise."""
-    if is_fp8_weight(t):
-        return t.qdata.numel() * t.qdata.element_size() + t.scale.numel() * t.scale.element_size()
-    return t.numel() * t.element_size()
+def is_fp8_linear(m: torch.nn.Module) -> bool:
+    """A Linear quantized by quantize_linear, in either layout."""
+    return isinstance(m, _Fp8DeviceMove)
+
+
+def linear_weight_bytes(m: torch.nn.Linear) -> int:
+    """Bytes the weight of a Linear occupies: FP8 data plus scales once quantized, plain size otherwise."""
+    w = m.weight
+    if is_fp8_weight(w):
+        return w.qdata.numel() * w.qdata.element_size() + w.scale.numel() * w.scale.element_size()
+    scale = getattr(m, "fp8_weight_scale", None) if is_fp8_linear(m) else None
+    extra = scale.numel() * scale.element_size() if scale is not None else 0
+    return w.numel() * w.element_size() + extra
+
+
+def fp8_linear(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+               act_kwargs, mm_config) -> torch.Tensor:
+    """torchao's Float8Tensor linear on plain tensors: the functions its torch-kernel path calls, in its order.
+
+    x: activations (..., K) in the compute dtype; w_data: FP8 weight data (N, K); w_scale: its scales, (N, 1)
+    per-row or (1, 1) per-tensor; act_kwargs: the weight's QuantizeTensorToFloat8Kwargs (how torchao quantizes
+    activations); mm_config: the weight's Float8MMConfig. Bit-identical to F.linear(x, Float8Tensor weight) in
+    eager mode (tests/core/test_fp8.py); torchao's optional MSLK kernels (not installed here) are not used.
+    """
+    from torchao.float8.inference import addmm_float8_unwrapped_inference, preprocess_data, preprocess_scale
+    from torchao.quantization.quant_primitives import _choose_scale_float8, _quantize_affine_float8
+    from torchao.quantization.utils import get_block_size
+
+    block = list(get_block_size(x.shape, act_kwargs.granularity))
+    x_scale = _choose_scale_float8(x, float8_dtype=act_kwargs.float8_dtype, block_size=block,
+                                   hp_value_lb=act_kwargs.hp_value_lb, hp_value_ub=act_kwargs.hp_value_ub)
+    x_data = _quantize_affine_float8(x, x_scale, act_kwargs.float8_dtype)
+    a, b = preprocess_data(x_data.reshape(-1, x_data.shape[-1]), w_data.t(), mm_config)
+    out = addmm_float8_unwrapped_inference(a, preprocess_scale(x_scale, x.shape), b, w_scale.t(),
+                                           output_dtype=x.dtype, bias=bias, use_fast_accum=mm_config.use_fast_accum)
+    return out.reshape(*x.shape[:-1], w_data.shape[0])
 
 
 @contextlib.contextmanager
@@ -155,14 +203,38 @@ class _Fp8DeviceMove:
     set_weight = convert_weight
 
 
-_FP8_CLASSES: dict[type, type] = {}
+class _Fp8Plain(_Fp8DeviceMove):
+    """The "plain" layout: weight = FP8 data (a plain float8 Parameter), buffer fp8_weight_scale = its scales; forward
+    runs fp8_linear with the torchao kwargs kept from quantization. ComfyUI's per-call cast and weight-function
+    paths are bypassed (the FP8 GEMM returns the activation dtype itself; weight patches are refused)."""
+
+    def forward(self, x, *args, **kwargs):
+        if self.weight_function or self.bias_function:
+            self.convert_weight(self.weight)  # a lowvram/LoRA weight function reached an FP8 Linear: refuse
+        return fp8_linear(x, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs, self.fp8_mm_config)
 
 
-def _fp8_class(cls: type) -> type:
-    """The quantized variant of a Linear class (ComfyUI's op classes differ per model): cls + _Fp8DeviceMove."""
-    if cls not in _FP8_CLASSES:
-        _FP8_CLASSES[cls] = type(f"FluxAccelFp8{cls.__name__}", (_Fp8DeviceMove, cls), {"__module__": __name__})
-    return _FP8_CLASSES[cls]
+_FP8_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _fp8_class(cls: type, layout: str) -> type:
+    """The quantized variant of a Linear class (ComfyUI's op classes differ per model): cls + our mixin."""
+    if (cls, layout) not in _FP8_CLASSES:
+        mixin = _Fp8Plain if layout == "plain" else _Fp8DeviceMove
+        name = f"FluxAccelFp8{'Plain' if layout == 'plain' else ''}{cls.__name__}"
+        _FP8_CLASSES[cls, layout] = type(name, (mixin, cls), {"__module__": __name__})
+    return _FP8_CLASSES[cls, layout]
+
+
+def _to_plain(q: torch.nn.Linear) -> None:
+    """Replace a Float8Tensor weight by its data and scale as plain tensors (the same storage, no copy)."""
+    w = q.weight
+    q.fp8_act_kwargs, q.fp8_mm_config = w.act_quant_kwargs, w.mm_config
+    q.weight = torch.nn.Parameter(w.qdata, requires_grad=False)
+    q.register_buffer("fp8_weight_scale", w.scale)
+    for attr in ("weight_function", "bias_function"):
+        if not hasattr(q, attr):
+            setattr(q, attr, [])
 
 
 def _detached_copy(linear: torch.nn.Linear, device: torch.device, compute_dtype=None) -> torch.nn.Linear:
@@ -200,5 +272,7 @@ def quantize_linear(linear: torch.nn.Linear, cfg: Fp8Config, device: torch.devic
         quantize_(new, cfg.torchao_config())
     if not is_fp8_weight(new.weight):
         raise FluxAccelError(f"torchao left a {tuple(linear.weight.shape)} Linear unquantized; report this as a bug.")
-    new.__class__ = _fp8_class(type(linear))
+    if cfg.layout == "plain":
+        _to_plain(new)
+    new.__class__ = _fp8_class(type(linear), cfg.layout)
     return new

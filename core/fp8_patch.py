@@ -20,7 +20,7 @@ from .comfy_compat import require_compatible
 from .env import require_fp8_device, require_torch, require_torchao
 from .errors import FluxAccelError
 from .flux import on_load_callback_type, partial_load_guard, require_bf16_weights, require_flux, require_fully_loaded
-from .fp8 import Fp8Config, is_fp8_weight, quantize_linear, select_linears, weight_bytes
+from .fp8 import Fp8Config, is_fp8_linear, linear_weight_bytes, quantize_linear, select_linears
 
 log = logging.getLogger("fluxaccel.fp8")
 
@@ -39,6 +39,7 @@ class Fp8Report:
     bytes_after: int = 0
     already_applied: bool = False
     merged_patches: list[str] = field(default_factory=list)  # weight patches (LoRA, ...) merged before quantizing
+    layout: str = "subclass"
 
     @property
     def bytes_saved(self) -> int:
@@ -48,7 +49,8 @@ class Fp8Report:
         if self.already_applied:
             head = f"FP8 {self.granularity}/{self.scope} already applied to this model: nothing done."
         else:
-            head = f"FP8 {self.granularity}, scope {self.scope}, on {self.device}:"
+            layout = ", plain-tensor layout" if self.layout == "plain" else ""
+            head = f"FP8 {self.granularity}, scope {self.scope}{layout}, on {self.device}:"
         gib = 1024**3
         lines = [
             head,
@@ -68,7 +70,7 @@ class Fp8Report:
 
 
 def _is_ours(obj) -> bool:
-    return isinstance(obj, torch.nn.Linear) and is_fp8_weight(obj.weight)
+    return isinstance(obj, torch.nn.Linear) and is_fp8_linear(obj)
 
 
 def original_linears(model) -> dict[str, torch.nn.Linear]:
@@ -164,7 +166,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     require_torchao()
     require_fully_loaded(model, node)
     prev = model.model_options.get(FP8_KEY)
-    if prev is not None and prev["config"] == [cfg.granularity, cfg.scope]:
+    if prev is not None and prev["config"] == cfg.key():
         report = Fp8Report(**{**prev["report"], "already_applied": True})
         log.info("%s", report.summary())
         return model, report
@@ -180,7 +182,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     sel = select_linears(originals.items(), cfg)
 
     clone = model.clone()
-    report = Fp8Report(cfg.granularity, cfg.scope, str(device), skipped=dict(sel.skipped))
+    report = Fp8Report(cfg.granularity, cfg.scope, str(device), skipped=dict(sel.skipped), layout=cfg.layout)
     keys, merged = [], _Kept()
     for name in sel.chosen:
         lin, merged_keys = _as_this_clone_runs(model, originals[name], name, device)
@@ -194,8 +196,8 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
         clone.add_object_patch(key, q)
         keys.append(key)
         report.quantized.append(name)
-        report.bytes_before += weight_bytes(lin.weight)
-        report.bytes_after += weight_bytes(q.weight)
+        report.bytes_before += linear_weight_bytes(lin)
+        report.bytes_after += linear_weight_bytes(q)
     if not keys:
         raise FluxAccelError(f"{node}: no Linear layer matched scope '{cfg.scope}'; choose scope all_linear.")
     # A fresh patches_uuid makes ComfyUI unpatch/move the model when it switches between this clone and
@@ -206,7 +208,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     clone.add_callback_with_key(on_load_callback_type(), FP8_KEY, partial_load_guard(node))
     clone.add_callback_with_key(CallbacksMP.ON_CLONE, FP8_KEY, _refuse_late_weight_patches(keys, node))
     report_dict = asdict(report)
-    clone.model_options[FP8_KEY] = {"config": [cfg.granularity, cfg.scope], "keys": keys, "report": report_dict,
+    clone.model_options[FP8_KEY] = {"config": cfg.key(), "keys": keys, "report": report_dict,
                                      "merged_patches": merged}
     log.info("%s", report.summary())
     return clone, report

@@ -173,8 +173,8 @@ def test_fp8_then_compile(cpu_fp8, tiny_flux, counters):
     from core.fp8 import Fp8Config
     from core.fp8_patch import apply_fp8
 
-    for gran in ("per_tensor", "per_row"):
-        q, _ = apply_fp8(tiny_flux, Fp8Config(gran))
+    for gran, layout in (("per_tensor", "subclass"), ("per_row", "subclass"), ("per_row", "plain")):
+        q, _ = apply_fp8(tiny_flux, Fp8Config(gran, layout=layout))
         ref = _denoise_once(q)
         model, compiled = apply_compile(q, CompileConfig())
         out = _denoise_once(model)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from core.errors import FluxAccelError
-from core.fp8 import Fp8Config, in_scope, is_fp8_weight, quantize_linear, select_linears
+from core.fp8 import Fp8Config, in_scope, is_fp8_linear, is_fp8_weight, linear_weight_bytes, quantize_linear, select_linears
 from core.metrics import rel_err, sqnr_db
 
 BOUND = 0.08
@@ -67,6 +67,8 @@ def test_bad_config_values():
         Fp8Config(granularity="per_block")
     with pytest.raises(FluxAccelError, match="scope must be one of"):
         Fp8Config(scope="everything")
+    with pytest.raises(FluxAccelError, match="layout must be one of"):
+        Fp8Config(layout="packed")
 
 
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_row"])
@@ -88,16 +90,17 @@ def test_scales_have_the_granularity(cpu_fp8, granularity):
     assert not is_fp8_weight(lin.weight), "the original Linear must stay bf16"
 
 
+@pytest.mark.parametrize("layout", ["subclass", "plain"])
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_row"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_block_fidelity(cpu_fp8, tiny_flux, granularity, compiled):
+def test_block_fidelity(cpu_fp8, tiny_flux, granularity, compiled, layout):
     """One FLUX double block with its Linears quantized, against the bf16 block on the same inputs."""
     import copy
 
     dm = tiny_flux.model.diffusion_model
     block = dm.double_blocks[0]
     qblock = copy.deepcopy(block)
-    cfg = Fp8Config(granularity)
+    cfg = Fp8Config(granularity, layout=layout)
     for name, mod in list(qblock.named_modules()):
         if isinstance(mod, torch.nn.Linear) and in_scope(f"double_blocks.0.{name}", cfg.scope):
             parent, _, leaf = name.rpartition(".")
@@ -134,3 +137,60 @@ def test_fp8_linear_moves_devices_without_float8tensor_to(cpu_fp8, monkeypatch):
     assert q.weight.qdata.device.type == "meta" and q.weight.scale.device.type == "meta"
     assert q.bias.device.type == "meta" and isinstance(q, type(lin))
     assert lin.weight.device.type == "cpu"
+
+
+def _inputs_of_compiled(fn, *args) -> list:
+    """The tensors a torch.compile'd call takes as graph inputs (recorded by a pass-through backend)."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, dynamic=False)(*args)
+    return seen
+
+
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_row"])
+def test_plain_layout_is_torchao_numerics_on_plain_tensors(cpu_fp8, granularity):
+    """The plain layout runs the same torchao functions on the FP8 data and scale: bit-identical to F.linear on
+    the Float8Tensor weight in eager mode, the same weight bytes, and a compiled call takes no tensor-subclass
+    inputs (the subclass layout does: that is what the plain layout removes from every compiled call)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.mul_(torch.logspace(-2, 1, 96, dtype=torch.bfloat16)[:, None])
+    sub = quantize_linear(lin, Fp8Config(granularity), "cpu")
+    plain = quantize_linear(lin, Fp8Config(granularity, layout="plain"), "cpu")
+    assert is_fp8_linear(sub) and is_fp8_linear(plain) and not is_fp8_linear(lin)
+    assert isinstance(plain, type(lin)) and not is_fp8_weight(plain.weight)
+    assert plain.weight.dtype == torch.float8_e4m3fn and type(plain.weight) is torch.nn.Parameter
+    assert torch.equal(plain.weight.view(torch.uint8), sub.weight.qdata.view(torch.uint8))
+    assert torch.equal(plain.fp8_weight_scale, sub.weight.scale)
+    assert linear_weight_bytes(plain) == linear_weight_bytes(sub) < linear_weight_bytes(lin)
+    x = torch.randn(2, 7, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref, out = sub(x), plain(x)
+        assert torch.equal(out, ref)
+        assert 0 < rel_err(out, lin(x)) < BOUND
+
+        sub_inputs = _inputs_of_compiled(sub, x)
+        plain_inputs = _inputs_of_compiled(plain, x)
+    assert any(is_fp8_weight(t) for t in sub_inputs), [type(t).__name__ for t in sub_inputs]
+    assert plain_inputs and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in plain_inputs), \
+        [type(t).__name__ for t in plain_inputs]
+
+
+def test_plain_layout_moves_and_refuses_weight_functions(cpu_fp8):
+    """ComfyUI moves modules with .to() (data and scale move together) and attaches weight functions for lowvram
+    or LoRA patches: an FP8 Linear refuses them instead of ignoring them."""
+    lin = torch.nn.Linear(32, 48, dtype=torch.bfloat16)
+    q = quantize_linear(lin, Fp8Config("per_row", layout="plain"), "cpu")
+    moved = quantize_linear(lin, Fp8Config("per_row", layout="plain"), "cpu").to("meta")
+    assert moved.weight.device.type == moved.fp8_weight_scale.device.type == moved.bias.device.type == "meta"
+    assert moved.weight.dtype == torch.float8_e4m3fn
+    assert q(torch.randn(3, 32, dtype=torch.bfloat16)).shape == (3, 48)
+    q.weight_function = [lambda w: w]
+    with pytest.raises(FluxAccelError, match="Put LoraLoaderModelOnly.*before"):
+        q(torch.randn(3, 32, dtype=torch.bfloat16))

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from core.errors import FluxAccelError
-from core.fp8 import Fp8Config, is_fp8_weight
+from core.fp8 import Fp8Config, is_fp8_linear, is_fp8_weight
 from core.fp8_patch import FP8_KEY, apply_fp8, remove_fp8
 from core.metrics import rel_err, sqnr_db
 from fluxaccel_testing import flux_inputs, forward
@@ -13,15 +13,16 @@ BOUND = 0.08
 
 
 def _fp8_weights_in_tree(model) -> int:
-    return sum(is_fp8_weight(p) for p in model.model.diffusion_model.parameters())
+    return sum(is_fp8_linear(m) for m in model.model.diffusion_model.modules())
 
 
+@pytest.mark.parametrize("layout", ["subclass", "plain"])
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_row"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_whole_model_fidelity_and_branch_isolation(cpu_fp8, tiny_flux, granularity, compiled):
+def test_whole_model_fidelity_and_branch_isolation(cpu_fp8, tiny_flux, granularity, compiled, layout):
     inputs = flux_inputs(tiny_flux.model.diffusion_model)
     ref = forward(tiny_flux, inputs)
-    q, report = apply_fp8(tiny_flux, Fp8Config(granularity))
+    q, report = apply_fp8(tiny_flux, Fp8Config(granularity, layout=layout))
     assert q is not tiny_flux and len(report.quantized) == 20
     out = forward(q, inputs, compiled=compiled)
     assert _fp8_weights_in_tree(q) == 20, "the loaded clone must run the FP8 Linears"
@@ -52,6 +53,11 @@ def test_other_config_requantizes_from_bf16(cpu_fp8, tiny_flux):
     assert not report.already_applied and len(report.quantized) == 20
     # Quantized from the bf16 originals (not from FP8): bit-identical to quantizing the plain model.
     assert torch.equal(forward(per_tensor_from_row, inputs), expected)
+    # Another layout is another config too; the plain layout computes exactly what the subclass layout does.
+    plain, report = apply_fp8(per_tensor_from_row, Fp8Config("per_tensor", layout="plain"))
+    assert not report.already_applied and plain.model_options[FP8_KEY]["config"] == ["per_tensor", "blocks", "plain"]
+    assert "plain-tensor layout" in report.summary()
+    assert torch.equal(forward(plain, inputs), expected)
 
 
 def test_report_counts_and_bytes(cpu_fp8, tiny_flux):

@@ -77,7 +77,7 @@ def test_quickstart_api_workflow_headless(server):
 
 
 def test_compile_benchmark_api_workflow_headless(server):
-    """The compile benchmark API workflow (FP8 per-row/per-tensor + graphs, bf16 with and without graphs) through
+    """The compile benchmark API workflow (FP8 per-row/per-tensor/plain per-row + graphs, bf16 with and without graphs) through
     POST /prompt on the tiny model: every Benchmark node reports its table and its JSON in /history."""
     api = json.loads((EXAMPLES / "api" / "fluxaccel_compile_benchmark.json").read_text())
     api["1"]["inputs"]["unet_name"] = E2E_UNET
@@ -91,7 +91,8 @@ def test_compile_benchmark_api_workflow_headless(server):
     hist = server.run_following(api, lambda kind, data: kind == "progress" and progress.add(data["node"]))
     out = hist["outputs"]
     for nid, label in (("11", "fp8-per_row+compile+graphs"), ("12", "fp8-per_tensor+compile+graphs"),
-                       ("13", "bf16+compile+graphs"), ("14", "bf16+compile")):
+                       ("13", "bf16+compile+graphs"), ("14", "bf16+compile"),
+                       ("15", "fp8-per_row-plain+compile+graphs")):
         assert f"| {label} |" in out[nid]["text"][0], (nid, out[nid]["text"][0])
         assert out[nid]["fluxaccel_json"] and nid in progress
 

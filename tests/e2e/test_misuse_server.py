@@ -76,8 +76,8 @@ def _rejected(server, prompt) -> dict:
     return exc.value.body
 
 
-@pytest.mark.parametrize("bad", ["unknown granularity", "unknown policy", "out of range", "wrong input type",
-                                 "bad resolutions"])
+@pytest.mark.parametrize("bad", ["unknown granularity", "unknown layout", "unknown policy", "out of range",
+                                 "wrong input type", "bad resolutions"])
 def test_malformed_api_prompt_gets_comfyui_validation_error(server, bad):
     g = flux_inputs()
     g["4"] = {"class_type": "FluxAccelQuantizeFP8", "inputs": {"model": ["1", 0], "granularity": "per_row",
@@ -88,6 +88,9 @@ def test_malformed_api_prompt_gets_comfyui_validation_error(server, bad):
     if bad == "unknown granularity":
         g["4"]["inputs"]["granularity"] = "per_block"
         node, field = "4", "granularity"
+    elif bad == "unknown layout":
+        g["4"]["inputs"]["layout"] = "packed"
+        node, field = "4", None
     elif bad == "unknown policy":
         g["7"]["inputs"]["resolution_policy"] = "any"
         node, field = "7", None
@@ -109,6 +112,7 @@ def test_malformed_api_prompt_gets_comfyui_validation_error(server, bad):
     else:  # our validate_inputs: ComfyUI reports its message as a custom validation failure
         assert errs and {e["type"] for e in errs} == {"custom_validation_failed"}, body
         assert any("resolution_policy must be one of strict, recompile, eager_fallback; got 'any'" in e["details"]
+                   or "layout must be one of subclass, plain; got 'packed'" in e["details"]
                    or "cannot read resolution '1024'" in e["details"] for e in errs), body
     assert body["error"]["type"] == "prompt_outputs_failed_validation"
     _check_server_still_works(server)
