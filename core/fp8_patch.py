@@ -46,10 +46,10 @@ class Fp8Report:
         return self.bytes_before - self.bytes_after
 
     def summary(self) -> str:
+        layout = ", plain-tensor layout" if self.layout == "plain" else ""
         if self.already_applied:
-            head = f"FP8 {self.granularity}/{self.scope} already applied to this model: nothing done."
+            head = f"FP8 {self.granularity}/{self.scope}{layout} already applied to this model: nothing done."
         else:
-            layout = ", plain-tensor layout" if self.layout == "plain" else ""
             head = f"FP8 {self.granularity}, scope {self.scope}{layout}, on {self.device}:"
         gib = 1024**3
         lines = [
