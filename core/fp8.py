@@ -122,7 +122,7 @@ def linear_weight_bytes(m: torch.nn.Linear) -> int:
     w = m.weight
     if is_fp8_weight(w):
         return w.qdata.numel() * w.qdata.element_size() + w.scale.numel() * w.scale.element_size()
-    scale = getattr(m, "fp8_weight_scale", None) if is_fp8_linear(m) else None
+    scale = getattr(m, "fp8_weight_scale", None)
     extra = scale.numel() * scale.element_size() if scale is not None else 0
     return w.numel() * w.element_size() + extra
 
@@ -237,8 +237,11 @@ def _to_plain(q: torch.nn.Linear) -> None:
             setattr(q, attr, [])
 
 
-def _detached_copy(linear: torch.nn.Linear, device: torch.device, compute_dtype=None) -> torch.nn.Linear:
+def _detached_copy(linear: torch.nn.Linear, device: torch.device, compute_dtype=None,
+                   params: dict[str, torch.Tensor] | None = None) -> torch.nn.Linear:
     """A Linear of the same class sharing nothing mutable with the original (new Parameter objects).
+
+    params: tensors to use instead of the Linear's own weight/bias (e.g. with a LoRA merged in).
 
     compute_dtype: ComfyUI's manual-cast compute dtype, if the model has one (bf16 weights computed in
     float32 on the CPU). The FP8 GEMM returns the activation dtype itself, so the copy must not be cast per
@@ -252,22 +255,25 @@ def _detached_copy(linear: torch.nn.Linear, device: torch.device, compute_dtype=
         if hasattr(linear, attr):
             setattr(new, attr, list(getattr(linear, attr)))
     new.__dict__.pop("comfy_patched_weights", None)
-    new.weight = torch.nn.Parameter(linear.weight.detach().to(device), requires_grad=False)
-    if linear.bias is not None:
-        new.bias = torch.nn.Parameter(linear.bias.detach().to(device, compute_dtype), requires_grad=False)
+    params = params or {}
+    weight, bias = params.get("weight", linear.weight), params.get("bias", linear.bias)
+    new.weight = torch.nn.Parameter(weight.detach().to(device), requires_grad=False)
+    if bias is not None:
+        new.bias = torch.nn.Parameter(bias.detach().to(device, compute_dtype), requires_grad=False)
     if compute_dtype is not None and hasattr(new, "comfy_cast_weights"):
         new.comfy_cast_weights = False
     return new
 
 
 def quantize_linear(linear: torch.nn.Linear, cfg: Fp8Config, device: torch.device | str,
-                    compute_dtype=None) -> torch.nn.Linear:
-    """Return an FP8 copy of `linear` on `device` (weight: torchao Float8Tensor); `linear` is untouched."""
+                    compute_dtype=None, params: dict[str, torch.Tensor] | None = None) -> torch.nn.Linear:
+    """Return an FP8 copy of `linear` on `device` (weight: torchao Float8Tensor, or its plain tensors with
+    cfg.layout 'plain'), quantized from `params` (weight/bias) where given; `linear` is untouched."""
     require_torchao()
     from torchao.quantization import quantize_
 
     device = torch.device(device)
-    new = _detached_copy(linear, device, compute_dtype)
+    new = _detached_copy(linear, device, compute_dtype, params)
     with _cpu_gate_lifted(device), torch.no_grad():
         quantize_(new, cfg.torchao_config())
     if not is_fp8_weight(new.weight):

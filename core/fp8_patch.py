@@ -8,7 +8,6 @@ Why object patches on a clone:
 """
 from __future__ import annotations
 
-import copy
 import logging
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -125,9 +124,9 @@ class _Kept(dict):
 
 
 def _as_this_clone_runs(model, lin: torch.nn.Linear, name: str, device: torch.device):
-    """A view of `lin` with the weight and bias this clone would run: the unpatched tensors (ComfyUI's shared
-    backup while another clone's weight patches are applied to the live model) plus this clone's own weight
-    patches (LoRA, ...), computed as ComfyUI's loader does. Returns (linear, merged patch keys)."""
+    """The weight and bias this clone would run for `lin`: the unpatched tensors (ComfyUI's shared backup while
+    another clone's weight patches are applied to the live model) plus this clone's own weight patches (LoRA, ...),
+    computed as ComfyUI's loader does. Returns ({param name: tensor}, merged patch keys)."""
     import comfy.float
     import comfy.lora
     from comfy.model_patcher import string_to_seed
@@ -146,13 +145,7 @@ def _as_this_clone_runs(model, lin: torch.nn.Linear, name: str, device: torch.de
             t = comfy.float.stochastic_rounding(out, t.dtype, seed=string_to_seed(key))
             merged.append(key)
         params[p] = t
-    if not merged and all(params[p] is getattr(lin, p) for p in params):
-        return lin, merged
-    view = copy.copy(lin)
-    view._parameters = dict(lin._parameters)
-    for p, t in params.items():
-        view._parameters[p] = torch.nn.Parameter(t.detach(), requires_grad=False)
-    return view, merged
+    return params, merged
 
 
 def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
@@ -185,13 +178,14 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     report = Fp8Report(cfg.granularity, cfg.scope, str(device), skipped=dict(sel.skipped), layout=cfg.layout)
     keys, merged = [], _Kept()
     for name in sel.chosen:
-        lin, merged_keys = _as_this_clone_runs(model, originals[name], name, device)
+        lin = originals[name]
+        params, merged_keys = _as_this_clone_runs(model, lin, name, device)
         for k in merged_keys:  # now inside the FP8 weights; kept aside for remove_fp8 (the Benchmark baseline)
             merged[k] = clone.patches.pop(k)
         report.merged_patches += merged_keys
         # quantize on the GPU (fast), then park the FP8 copy where ComfyUI keeps unloaded weights: the GPU
         # then holds only what ComfyUI itself loads (and accounts for), e.g. not two FP8 variants at once.
-        q = quantize_linear(lin, cfg, device, compute_dtype).to(model.offload_device)
+        q = quantize_linear(lin, cfg, device, compute_dtype, params).to(model.offload_device)
         key = f"diffusion_model.{name}"
         clone.add_object_patch(key, q)
         keys.append(key)

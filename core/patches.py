@@ -8,9 +8,10 @@ from .fp8_patch import FP8_KEY, remove_fp8
 def label(model) -> str:
     """e.g. 'bf16', 'fp8-per_row', 'fp8-per_row+compile+graphs', 'fp8-per_row-plain+compile+graphs'."""
     fp8 = model.model_options.get(FP8_KEY)
-    name = f"fp8-{fp8['config'][0]}" if fp8 else "bf16"
-    if fp8 and fp8["config"][2:] == ["plain"]:
-        name += "-plain"
+    name = "bf16"
+    if fp8:
+        granularity, _, layout = fp8["config"]  # Fp8Config.key()
+        name = f"fp8-{granularity}" + ("-plain" if layout == "plain" else "")
     c = compiled_of(model)
     if c is not None:
         name += "+compile" + ("+graphs" if c.cfg.cuda_graphs else "")
@@ -24,8 +25,8 @@ def describe(model) -> dict:
     fp8 = model.model_options.get(FP8_KEY)
     if fp8:
         r = fp8["report"]
-        out["fp8"] = {"granularity": r["granularity"], "scope": r["scope"], "layout": r.get("layout", "subclass"), "quantized": len(r["quantized"]),
-                      "bytes_saved": r["bytes_before"] - r["bytes_after"]}
+        out["fp8"] = {"granularity": r["granularity"], "scope": r["scope"], "layout": r["layout"],
+                      "quantized": len(r["quantized"]), "bytes_saved": r["bytes_before"] - r["bytes_after"]}
     c = compiled_of(model)
     if c is not None:
         st = c.stats
