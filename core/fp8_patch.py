@@ -38,7 +38,7 @@ class Fp8Report:
     bytes_after: int = 0
     already_applied: bool = False
     merged_patches: list[str] = field(default_factory=list)  # weight patches (LoRA, ...) merged before quantizing
-    layout: str = "subclass"
+    layout: str = "plain"
 
     @property
     def bytes_saved(self) -> int:

@@ -71,16 +71,21 @@ def test_bad_config_values():
         Fp8Config(layout="packed")
 
 
+@pytest.mark.parametrize("layout", ["subclass", "plain"])
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_row"])
-def test_scales_have_the_granularity(cpu_fp8, granularity):
+def test_scales_have_the_granularity(cpu_fp8, granularity, layout):
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 96, dtype=torch.bfloat16)
     # rows of very different magnitude: per-row scales must differ row by row, per-tensor has one
     with torch.no_grad():
         lin.weight.mul_(torch.logspace(-2, 1, 96, dtype=torch.bfloat16)[:, None])
-    q = quantize_linear(lin, Fp8Config(granularity), "cpu")
-    assert is_fp8_weight(q.weight) and q.weight.qdata.dtype == torch.float8_e4m3fn
-    scale = q.weight.scale.float().flatten()
+    q = quantize_linear(lin, Fp8Config(granularity, layout=layout), "cpu")
+    if layout == "subclass":
+        assert is_fp8_weight(q.weight) and q.weight.qdata.dtype == torch.float8_e4m3fn
+        scale = q.weight.scale.float().flatten()
+    else:
+        assert not is_fp8_weight(q.weight) and q.weight.dtype == torch.float8_e4m3fn
+        scale = q.fp8_weight_scale.float().flatten()
     if granularity == "per_row":
         assert scale.numel() == 96
         amax = lin.weight.float().abs().amax(dim=1)
@@ -126,7 +131,7 @@ def test_fp8_linear_moves_devices_without_float8tensor_to(cpu_fp8, monkeypatch):
     from torchao.quantization import Float8Tensor
 
     lin = torch.nn.Linear(32, 48, dtype=torch.bfloat16)
-    q = quantize_linear(lin, Fp8Config("per_row"), "cpu")
+    q = quantize_linear(lin, Fp8Config("per_row", layout="subclass"), "cpu")
 
     def refuse(*a, **k):
         raise AssertionError("Float8Tensor.to must not be used for device moves")
@@ -161,7 +166,7 @@ def test_plain_layout_is_torchao_numerics_on_plain_tensors(cpu_fp8, granularity)
     lin = torch.nn.Linear(64, 96, dtype=torch.bfloat16)
     with torch.no_grad():
         lin.weight.mul_(torch.logspace(-2, 1, 96, dtype=torch.bfloat16)[:, None])
-    sub = quantize_linear(lin, Fp8Config(granularity), "cpu")
+    sub = quantize_linear(lin, Fp8Config(granularity, layout="subclass"), "cpu")
     plain = quantize_linear(lin, Fp8Config(granularity, layout="plain"), "cpu")
     assert is_fp8_linear(sub) and is_fp8_linear(plain) and not is_fp8_linear(lin)
     assert isinstance(plain, type(lin)) and not is_fp8_weight(plain.weight)

@@ -53,11 +53,12 @@ def test_other_config_requantizes_from_bf16(cpu_fp8, tiny_flux):
     assert not report.already_applied and len(report.quantized) == 20
     # Quantized from the bf16 originals (not from FP8): bit-identical to quantizing the plain model.
     assert torch.equal(forward(per_tensor_from_row, inputs), expected)
-    # Another layout is another config too; the plain layout computes exactly what the subclass layout does.
-    plain, report = apply_fp8(per_tensor_from_row, Fp8Config("per_tensor", layout="plain"))
-    assert not report.already_applied and plain.model_options[FP8_KEY]["config"] == ["per_tensor", "blocks", "plain"]
-    assert "plain-tensor layout" in report.summary()
-    assert torch.equal(forward(plain, inputs), expected)
+    # Another layout is another config too; the subclass layout computes exactly what the plain layout does.
+    sub, report = apply_fp8(per_tensor_from_row, Fp8Config("per_tensor", layout="subclass"))
+    assert not report.already_applied and sub.model_options[FP8_KEY]["config"] == ["per_tensor", "blocks", "subclass"]
+    assert "plain-tensor layout" not in report.summary()
+    assert "plain-tensor layout" in apply_fp8(sub, Fp8Config("per_tensor"))[1].summary()
+    assert torch.equal(forward(sub, inputs), expected)
 
 
 def test_report_counts_and_bytes(cpu_fp8, tiny_flux):
@@ -83,21 +84,25 @@ def test_remove_fp8_restores_the_original_computation(cpu_fp8, tiny_flux):
     assert torch.equal(forward(base, inputs), ref)
 
 
-def test_steady_state_holds_only_fp8_copies(cpu_fp8, tiny_flux):
+@pytest.mark.parametrize("layout", ["subclass", "plain"])
+def test_steady_state_holds_only_fp8_copies(cpu_fp8, tiny_flux, layout):
     """While the FP8 clone is loaded, the live module tree holds the FP8 Linears, not FP8 + bf16: the bf16
     originals sit only in ComfyUI's object-patch backup, on the offload device."""
     import comfy.model_management as mm
 
     bf16_bytes = sum(p.numel() * p.element_size() for p in tiny_flux.model.diffusion_model.parameters())
-    q, r = apply_fp8(tiny_flux, Fp8Config())
+    q, r = apply_fp8(tiny_flux, Fp8Config(layout=layout))
     mm.load_models_gpu([q])
     dm = q.model.diffusion_model
     for name in r.quantized:
-        assert is_fp8_weight(dm.get_submodule(name).weight)
+        lin = dm.get_submodule(name)
+        assert is_fp8_linear(lin) and is_fp8_weight(lin.weight) == (layout == "subclass")
+        assert (lin.weight.qdata if layout == "subclass" else lin.weight).dtype == torch.float8_e4m3fn
         backup = q.object_patches_backup[f"diffusion_model.{name}"]
         assert backup.weight.dtype == torch.bfloat16 and backup.weight.device == q.offload_device
     live_bytes = sum(p.qdata.numel() + p.scale.numel() * 4 if is_fp8_weight(p) else p.numel() * p.element_size()
                      for p in dm.parameters())
+    live_bytes += sum(b.numel() * b.element_size() for n, b in dm.named_buffers() if n.endswith("fp8_weight_scale"))
     assert live_bytes == bf16_bytes - r.bytes_saved
 
 
@@ -154,14 +159,15 @@ def _with_lora(model, strength=1.0, seed=3):
     return clone
 
 
+@pytest.mark.parametrize("layout", ["subclass", "plain"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_lora_before_quantize_is_merged_into_fp8(cpu_fp8, tiny_flux, compiled):
+def test_lora_before_quantize_is_merged_into_fp8(cpu_fp8, tiny_flux, compiled, layout):
     inputs = flux_inputs(tiny_flux.model.diffusion_model)
     base = forward(tiny_flux, inputs)
     lora = _with_lora(tiny_flux)
     lora_ref = forward(lora, inputs)
     assert rel_err(lora_ref, base) > 0.2, "the test LoRA must change the output clearly"
-    q, report = apply_fp8(lora, Fp8Config("per_row"))
+    q, report = apply_fp8(lora, Fp8Config("per_row", layout=layout))
     assert sorted(report.merged_patches) == sorted(LORA_KEYS) and "merged 4 weight patches" in report.summary()
     assert not any(k in q.patches for k in LORA_KEYS), "merged patches must not be applied to FP8 weights again"
     out = forward(q, inputs, compiled=compiled)
@@ -171,7 +177,7 @@ def test_lora_before_quantize_is_merged_into_fp8(cpu_fp8, tiny_flux, compiled):
     # another strength is another result, and FP8 follows it
     half = _with_lora(tiny_flux, strength=0.5)
     half_ref = forward(half, inputs)
-    q_half, _ = apply_fp8(half, Fp8Config("per_row"))
+    q_half, _ = apply_fp8(half, Fp8Config("per_row", layout=layout))
     out_half = forward(q_half, inputs, compiled=compiled)
     assert rel_err(out_half, half_ref) < BOUND < rel_err(out_half, lora_ref)
 

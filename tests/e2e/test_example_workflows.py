@@ -72,7 +72,7 @@ def test_quickstart_api_workflow_headless(server):
         assert "FP8 per_row" in out["3"]["text"][0]
     assert "5" not in cached and "6" not in cached
     assert "64x64" in out["5"]["text"][0] or "8x8" in out["5"]["text"][0]
-    assert "| fp8-per_row+compile+graphs |" in out["6"]["text"][0].replace("|  ", "| ")
+    assert "| fp8-per_row-plain+compile+graphs |" in out["6"]["text"][0].replace("|  ", "| ")
     assert out["6"]["images"] and out["6"]["fluxaccel_json"] and out["6"]["fluxaccel_speedup"][0] > 0
 
 
