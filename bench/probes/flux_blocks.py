@@ -130,12 +130,12 @@ def build_blocks():
     return dbl, sgl, emb, ids
 
 
-def fp8_copy(block, granularity):
+def fp8_copy(block, granularity, layout="subclass"):
     import copy
 
     from core.fp8 import Fp8Config, quantize_linear
 
-    cfg = Fp8Config(granularity=granularity)
+    cfg = Fp8Config(granularity=granularity, layout=layout)
     new = copy.deepcopy(block)
     for name, mod in list(new.named_modules()):
         if isinstance(mod, torch.nn.Linear) and not name.endswith(("mod.lin", "modulation.lin")):
@@ -244,13 +244,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--skip-micro", action="store_true")
+    ap.add_argument("--layouts", action="store_true",
+                    help="only FP8 per-row compile+graphs in the Float8Tensor vs plain layout, and a kernel profile of each")
     a = ap.parse_args()
     global OUT_DIR
     OUT_DIR = Path(a.out)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     emit("env", torch=torch.__version__, gpu=torch.cuda.get_device_name(0),
          cudnn=torch.backends.cudnn.version())
-    if not a.skip_micro:
+    if not (a.skip_micro or a.layouts):
         sdpa_backends()
         gemms()
     dbl, sgl, emb, ids = build_blocks()
@@ -267,6 +269,16 @@ def main():
     base = {"emulate_precision_casts": True}
     eager = run_variant("bf16 eager", dbl, sgl, inputs)
     ref = (eager[0], eager[1]) if eager else None
+    if a.layouts:  # why the plain layout's compiled call takes less device time (bench/NOTES.md, session 4)
+        for layout in ("subclass", "plain"):
+            d, s_ = fp8_copy(dbl, "per_row", layout), fp8_copy(sgl, "per_row", layout)
+            run_variant(f"fp8 row {layout} compile+graphs", d, s_, inputs, compile_opts=base, ref=ref)
+            nog = run_variant(f"fp8 row {layout} compile (no graphs, for profile)", d, s_, inputs,
+                              compile_opts=base, graphs=False, ref=ref)
+            if nog:
+                profile(f"fp8 row {layout} compile", nog[2], nog[3], inputs)
+            del d, s_
+        return
     dr, sr = fp8_copy(dbl, "per_row"), fp8_copy(sgl, "per_row")
     dt, st = fp8_copy(dbl, "per_tensor"), fp8_copy(sgl, "per_tensor")
     run_variant("bf16 eager cudnn", dbl, sgl, inputs, attn="cudnn", ref=ref)
