@@ -1,0 +1,30 @@
+"""core/bench.py: the side-by-side measurement on the tiny model (CPU), without a server."""
+import math
+
+import pytest
+import torch
+
+from core.bench import BenchCase, benchmark
+from core.compile import CompileConfig
+from core.compile_patch import apply_compile
+from core.test_models import synthetic_conditioning
+
+
+def test_accelerated_first_run_precedes_the_baseline(tiny_flux):
+    """A fresh process's first image: the accelerated model's first run (compile and all) comes before the
+    baseline has been loaded, so it does not include a switch away from the baseline. Timed runs then alternate."""
+    torch._dynamo.reset()
+    accel, _ = apply_compile(tiny_flux, CompileConfig(cuda_graphs=False))
+    pos = synthetic_conditioning("tiny", text_len=16)
+    said = []
+    case = BenchCase(width=128, height=128, steps=1, runs=2)
+    rows = benchmark([("eager", tiny_flux), ("compiled", accel)], case, pos, pos, on_progress=said.append)
+    firsts = [m.split(":")[0] for m in said if "first run" in m]
+    assert firsts == ["compiled", "eager"]
+    timed = [m for m in said if "timed run" in m]
+    assert timed == ["eager: timed run 1/2", "compiled: timed run 1/2", "eager: timed run 2/2", "compiled: timed run 2/2"]
+    # rows stay in the caller's order: the baseline first, speedup against it
+    assert [r.config for r in rows] == ["eager", "compiled"]
+    assert all(math.isfinite(r.first_run_s) and r.first_run_s > 0 for r in rows)
+    assert rows[1].speedup_vs_eager == pytest.approx(rows[0].s_per_image_median / rows[1].s_per_image_median)
+    assert rows[1].denoiser_rel_err < 2e-2 and rows[0].denoiser_rel_err == 0
