@@ -26,6 +26,7 @@ Layout = Literal["subclass", "plain"]
 GRANULARITIES: tuple[str, ...] = ("per_tensor", "per_row")
 SCOPES: tuple[str, ...] = ("blocks", "blocks+modulation", "all_linear")
 LAYOUTS: tuple[str, ...] = ("subclass", "plain")
+DEFAULT_LAYOUT: Layout = "plain"  # measured faster on the H200 at both benchmark shapes (bench/NOTES.md, session 4)
 
 _IN_BLOCKS = re.compile(r"^(double_blocks|single_blocks)\.\d+\.")
 # FLUX's modulation linears: img_mod/txt_mod in double blocks, modulation in single blocks.
@@ -43,15 +44,14 @@ class Fp8Config:
       all_linear         every Linear, embedders and final layer included
 
     layout:
-      plain              FP8 data + scale as plain tensors, same torchao numerics (see fp8_linear). Default:
-                         measured faster on the H200 at both benchmark shapes with the same fidelity
-                         (bench/NOTES.md, session 4)
+      plain              FP8 data + scale as plain tensors, same torchao numerics (see fp8_linear); the
+                         default (DEFAULT_LAYOUT)
       subclass           the weight stays torchao's Float8Tensor (F.linear dispatches to torchao)
     """
 
     granularity: Granularity = "per_row"
     scope: Scope = "blocks"
-    layout: Layout = "plain"
+    layout: Layout = DEFAULT_LAYOUT
 
     def __post_init__(self):
         if self.granularity not in GRANULARITIES:

@@ -19,7 +19,7 @@ from .comfy_compat import require_compatible
 from .env import require_fp8_device, require_torch, require_torchao
 from .errors import FluxAccelError
 from .flux import on_load_callback_type, partial_load_guard, require_bf16_weights, require_flux, require_fully_loaded
-from .fp8 import Fp8Config, is_fp8_linear, linear_weight_bytes, quantize_linear, select_linears
+from .fp8 import DEFAULT_LAYOUT, Fp8Config, is_fp8_linear, linear_weight_bytes, quantize_linear, select_linears
 
 log = logging.getLogger("fluxaccel.fp8")
 
@@ -38,7 +38,7 @@ class Fp8Report:
     bytes_after: int = 0
     already_applied: bool = False
     merged_patches: list[str] = field(default_factory=list)  # weight patches (LoRA, ...) merged before quantizing
-    layout: str = "plain"
+    layout: str = DEFAULT_LAYOUT
 
     @property
     def bytes_saved(self) -> int:

@@ -1,6 +1,6 @@
 from comfy_api.latest import io, ui
 
-from ..core.fp8 import GRANULARITIES, LAYOUTS, SCOPES, Fp8Config
+from ..core.fp8 import DEFAULT_LAYOUT, GRANULARITIES, LAYOUTS, SCOPES, Fp8Config
 from ..core.fp8_patch import apply_fp8
 from . import ids
 from .validation import one_of
@@ -23,7 +23,7 @@ class QuantizeFP8(io.ComfyNode):
                 io.Combo.Input("scope", options=list(SCOPES), default="blocks",
                                tooltip="blocks: Linears in the double/single blocks except modulation. "
                                        "blocks+modulation: also modulation. all_linear: also embedders and final layer."),
-                io.Combo.Input("layout", options=list(LAYOUTS), default="plain", optional=True,
+                io.Combo.Input("layout", options=list(LAYOUTS), default=DEFAULT_LAYOUT, optional=True,
                                tooltip="plain (default): FP8 data and scales held as plain tensors, torchao's own "
                                        "math; a compiled model has no tensor-subclass inputs to unwrap on each call "
                                        "(measured faster on an H200). subclass: weights stay torchao Float8Tensors "
@@ -33,10 +33,10 @@ class QuantizeFP8(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, granularity, scope, layout="plain"):
+    def validate_inputs(cls, granularity, scope, layout=DEFAULT_LAYOUT):
         return one_of(granularity=(granularity, GRANULARITIES), scope=(scope, SCOPES), layout=(layout, LAYOUTS))
 
     @classmethod
-    def execute(cls, model, granularity, scope, layout="plain") -> io.NodeOutput:
+    def execute(cls, model, granularity, scope, layout=DEFAULT_LAYOUT) -> io.NodeOutput:
         clone, report = apply_fp8(model, Fp8Config(granularity=granularity, scope=scope, layout=layout))
         return io.NodeOutput(clone, ui=ui.PreviewText(report.summary()))
