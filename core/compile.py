@@ -4,7 +4,8 @@ This file knows the compiled callable; compile_patch.py puts it into a ComfyUI M
 Recipe, in order (each step's why):
   1. quantize (optional, fp8_patch)  -- FP8 Linears are in the module tree before tracing, so they get fused
   2. compile the *whole* diffusion model, dynamic=False -- one graph per shape; per-block (regional) compile
-     with CUDA graphs overwrites block outputs between replays
+     with CUDA graphs overwrites block outputs between replays. With block_regions the repeated FLUX blocks are
+     nested compile regions inside that one graph (block_regions.py): each kind compiled once, reused 19/38 times
   3. capture CUDA graphs (inductor's cudagraph trees) -- removes per-kernel launch overhead
   4. warm up at every shape the workflow uses (Warmup node) -- compile/capture before the first real prompt
 """
@@ -34,6 +35,7 @@ class CompileConfig:
     resolution_policy: Literal["strict", "recompile", "eager_fallback"] = "strict"
     max_shapes: int = 4
     persistent_cache: bool = True
+    block_regions: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -42,6 +44,12 @@ class CompileConfig:
             raise FluxAccelError(f"resolution_policy must be one of {POLICIES}, got {self.resolution_policy!r}")
         if self.max_shapes < 1:
             raise FluxAccelError(f"max_shapes must be at least 1, got {self.max_shapes}")
+        if self.block_regions:
+            from .block_regions import available
+
+            if not available():
+                raise FluxAccelError(f"block_regions needs torch.compiler.nested_compile_region (torch 2.8 or newer); "
+                                     f"this is torch {torch.__version__}. Turn block_regions off.")
 
     def inductor_options(self, device: torch.device) -> dict:
         """Options passed to this torch.compile call only (no process-wide inductor/dynamo config changes).
@@ -89,6 +97,18 @@ def cudagraph_skips() -> int:
     return int(counters["inductor"]["cudagraph_skips"])
 
 
+# dynamo's timed phases of one compile (seconds summed over its sub-calls): where a first run's compile time goes
+PHASES: tuple[str, ...] = ("bytecode_tracing", "create_aot_dispatcher_function", "GraphLowering.run",
+                           "GraphLowering.codegen", "async_compile.wait", "PyCodeCache.load_by_key_path",
+                           "AOTAutogradCache.inductor_load", "build_guards")
+
+
+def _phase_totals() -> dict[str, float]:
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {k: sum(compilation_time_metrics.get(k, ())) for k in PHASES}
+
+
 def _unsupported_options(transformer_options: dict) -> list[str]:
     """Per-block patches and diffusion-model wrappers that the compiled graph would silently drop."""
     found = []
@@ -110,6 +130,7 @@ class CompileStats:
     eager_calls: int = 0
     cache_loaded: bool = False
     graph_skips: dict[ShapeKey, int] = field(default_factory=dict)  # inductor's cudagraph_skips at each compile
+    compile_phases: dict[ShapeKey, dict[str, float]] = field(default_factory=dict)  # PHASES seconds per compile
     # last warm calls: host seconds spent inside the call (graph replay is asynchronous, so on a GPU this is the
     # launch overhead: guards, input checks, replay) and (start, end) CUDA events around it (device time)
     host_s: deque = field(default_factory=lambda: deque(maxlen=256))
@@ -138,6 +159,11 @@ class CompiledFlux(torch.nn.Module):
         self.device = torch.device(device)
         self.stats = CompileStats()
         self.cache = None
+        self.regions = None
+        if cfg.block_regions:
+            from .block_regions import BlockRegions
+
+            self.regions = BlockRegions(dm)
         self.on_compiled = None  # called with self after each new shape compiled (the node tells the editor)
         if cfg.persistent_cache:
             from .compile_cache import CompileCache, cache_key
@@ -222,12 +248,14 @@ class CompiledFlux(torch.nn.Module):
             events[0].record()
         t0 = time.perf_counter()
         skips_before = cudagraph_skips() if first else 0
+        phases_before = _phase_totals() if first else None
         if self.graphs:
             # A new CUDA-graph step per model call: outputs of the previous call may be overwritten from here on,
             # which is safe because we return a copy below.
             torch.compiler.cudagraph_mark_step_begin()
             self.stats.marks += 1
-        out = self._compiled(x, timestep, context=context, transformer_options={}, **kwargs)
+        options = self.regions.transformer_options() if self.regions is not None else {}
+        out = self._compiled(x, timestep, context=context, transformer_options=options, **kwargs)
         if self.graphs:
             out = out.clone()  # the sampler keeps outputs across steps; graph-owned memory is reused on replay
         self.stats.calls += 1
@@ -240,6 +268,8 @@ class CompiledFlux(torch.nn.Module):
             if out.is_cuda:
                 torch.cuda.synchronize(out.device)
             self.stats.compile_seconds[key] = time.perf_counter() - t0
+            self.stats.compile_phases[key] = {k: round(v - phases_before[k], 2) for k, v in _phase_totals().items()
+                                              if v - phases_before[k] > 0}
             log.info("FluxAccel: compiled %s in %.1f s", key.describe(), self.stats.compile_seconds[key])
             skipped = cudagraph_skips() - skips_before
             if skipped and self.graphs_active:

@@ -51,7 +51,7 @@ def cache_key(dm: torch.nn.Module, cfg, device: torch.device, variant: str = "")
     for name, p in dm.named_parameters():
         layout.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{type(p.data).__name__}".encode())
     # only what changes the compiled artifacts: the inductor options (graphs, mode), not resolution_policy etc.
-    options = repr(sorted(cfg.inductor_options(device).items()))
+    options = repr(sorted(cfg.inductor_options(device).items())) + f" block_regions={cfg.block_regions}"
     ident = {"format": 1, "torch": torch.__version__, "triton": _version("triton"), "torchao": _version("torchao"),
              "device": dev, "config": options, "model": type(dm).__name__, "layout": layout.hexdigest(),
              "variant": variant}

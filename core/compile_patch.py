@@ -110,6 +110,16 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
             f"{node}: the model already carries a per-block (regional) compile ({'; '.join(regional)}). CUDA graphs "
             f"need the whole model compiled as one graph: remove the other compile node (e.g. TorchCompileModel with "
             f"block keys) or turn cuda_graphs off.")
+    if cfg.block_regions:
+        from .fp8_patch import FP8_KEY
+
+        fp8 = (model.model_options.get(FP8_KEY) or {}).get("config")
+        if fp8 and fp8[-1] == "subclass":
+            # torch has no rule for tensor-subclass weights (torchao's Float8Tensor) inside a nested compile region
+            raise FluxAccelError(
+                f"{node}: block_regions cannot compile FP8 weights in the 'subclass' layout (torch's nested compile "
+                f"regions do not take tensor-subclass weights). Set layout to 'plain' on Quantize FP8 (same numerics), "
+                f"or turn block_regions off.")
     device = torch.device(model.load_device)
     if cfg.cuda_graphs:
         blockers = cuda_graph_blockers(device)

@@ -6,15 +6,18 @@ from .fp8_patch import FP8_KEY, remove_fp8
 
 
 def label(model) -> str:
-    """e.g. 'bf16', 'fp8-per_row', 'fp8-per_row+compile+graphs', 'fp8-per_row-plain+compile+graphs'."""
+    """e.g. 'bf16', 'fp8-per_row', 'fp8-per_row+compile+graphs', 'fp8-per_row-plain+compile+graphs+regions',
+    'fp8-per_row-plain-blocks+modulation' (the scope is named when it is not the default 'blocks')."""
     fp8 = model.model_options.get(FP8_KEY)
     name = "bf16"
     if fp8:
-        granularity, _, layout = fp8["config"]  # Fp8Config.key()
-        name = f"fp8-{granularity}" + ("-plain" if layout == "plain" else "")
+        granularity, scope, layout = fp8["config"]  # Fp8Config.key()
+        name = f"fp8-{granularity}" + ("-plain" if layout == "plain" else "") + ("" if scope == "blocks" else f"-{scope}")
     c = compiled_of(model)
     if c is not None:
         name += "+compile" + ("+graphs" if c.cfg.cuda_graphs else "")
+        if c.cfg.block_regions:
+            name += "+regions"
         if c.cfg.mode != "default":
             name += f"+{c.cfg.mode}"
     return name
@@ -31,8 +34,10 @@ def describe(model) -> dict:
     if c is not None:
         st = c.stats
         out["compile"] = {"cuda_graphs": c.cfg.cuda_graphs, "mode": c.cfg.mode, "policy": c.cfg.resolution_policy,
+                          "block_regions": c.cfg.block_regions,
                           "shapes": [k.describe() for k in st.shapes],
                           "compile_seconds": {k.describe(): round(v, 2) for k, v in st.compile_seconds.items()},
+                          "compile_phases_s": {k.describe(): v for k, v in st.compile_phases.items()},
                           "calls": st.calls, "graph_step_marks": st.marks, "eager_calls": st.eager_calls,
                           "cache_loaded": st.cache_loaded, "graph_skips": sum(st.graph_skips.values()),
                           **st.call_timings()}

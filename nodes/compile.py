@@ -36,6 +36,10 @@ class Compile(io.ComfyNode):
                                          "reload them after a restart, so the first image needs little compile time."),
                 io.Boolean.Input("clear_cache", default=False, optional=True,
                                  tooltip="Delete FluxAccel's saved compile artifacts before compiling."),
+                io.Boolean.Input("block_regions", default=False, optional=True,
+                                 tooltip="Compile each kind of FLUX block once and reuse it for the other 18/37 "
+                                         "(torch nested compile regions) inside the one whole-model graph: a much "
+                                         "shorter first run; CUDA graphs still cover the whole model."),
             ],
             outputs=[io.Model.Output(tooltip="The model, compiled on first use; the input model is unchanged.")],
             hidden=[io.Hidden.unique_id],
@@ -47,11 +51,12 @@ class Compile(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, cuda_graphs, mode, resolution_policy, max_shapes, persistent_cache=True,
-                clear_cache=False) -> io.NodeOutput:
+                clear_cache=False, block_regions=False) -> io.NodeOutput:
         if clear_cache:
             compile_cache.clear()
         cfg = CompileConfig(cuda_graphs=cuda_graphs, mode=mode, resolution_policy=resolution_policy,
-                            max_shapes=max_shapes, persistent_cache=persistent_cache)
+                            max_shapes=max_shapes, persistent_cache=persistent_cache,
+                            block_regions=block_regions)
         clone, compiled = apply_compile(model, cfg)
         compiled.on_compiled = compiled_notifier(cls.hidden.unique_id)
         return io.NodeOutput(clone, ui=ui.PreviewText(f"compile on first use: {cfg}"))

@@ -1,4 +1,4 @@
-"""Small helpers shared by tests: run a FLUX diffusion model forward on fixed inputs."""
+"""Small helpers shared by tests: run a FLUX diffusion model forward on fixed inputs, sample, denoise once."""
 from __future__ import annotations
 
 import torch
@@ -22,3 +22,34 @@ def forward(model, inputs, compiled=False):
     dm = model.model.diffusion_model
     fn = torch.compile(dm, dynamic=False) if compiled else dm
     return fn(*inputs).float()
+
+
+def sample(model, seed=0, steps=2, cfg=1.0, sampler="euler", hw=16, text_len=16, text_seed=0, batch=1):
+    import comfy.sample
+
+    from core.test_models import synthetic_conditioning
+
+    pos = synthetic_conditioning("tiny", text_len=text_len, seed=text_seed)
+    neg = synthetic_conditioning("tiny", text_len=text_len, seed=text_seed + 100)
+    latent = torch.zeros(batch, 16, hw, hw)
+    noise = comfy.sample.prepare_noise(latent, seed)
+    return comfy.sample.sample(model, noise, steps, cfg, sampler, "simple", pos, neg, latent, disable_pbar=True, seed=seed)
+
+
+def denoise_once(model, hw=16, text_len=16):
+    """One apply_model call (the denoiser forward) through ComfyUI's BaseModel, compile wrapper included."""
+    import comfy.model_management as mm
+    from comfy.patcher_extension import WrapperExecutor, WrappersMP, get_all_wrappers
+
+    from core.test_models import synthetic_conditioning
+
+    mm.load_models_gpu([model])
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 16, hw, hw, generator=g)
+    pos = synthetic_conditioning("tiny", text_len=text_len)
+    ctx, extra = pos[0]
+    bm = model.model
+    executor = WrapperExecutor.new_class_executor(bm._apply_model, bm, get_all_wrappers(
+        WrappersMP.APPLY_MODEL, model.model_options, is_model_options=True) + model.get_all_wrappers(WrappersMP.APPLY_MODEL))
+    return executor.execute(x, torch.tensor([0.7]), c_crossattn=ctx, transformer_options={},
+                            y=extra["pooled_output"], guidance=torch.tensor([3.5])).float()
