@@ -20,7 +20,7 @@ def test_headless_benchmark_tiny_cpu(tmp_path, e2e_model_file):
     assert res["case"] == "tiny-cpu" and res["gpu"] == "cpu" and res["command"].startswith("python tools/bench.py")
     assert res["env"]["comfyui"] == "0.3.75" and res["env"]["torchao"] and "driver" in res["env"] and res["date"]
     rows = {r["config"]: r for r in res["results"]}
-    assert list(rows) == ["eager-bf16", "fp8-per_tensor", "fp8-per_row"]
+    assert list(rows) == ["eager-bf16", "fp8-per_tensor", "fp8-per_row", "fp8-per_row-naive-all_linear"]
     for r in rows.values():
         for key in ("first_run_s", "s_per_image_median", "s_per_step_median"):
             assert math.isfinite(r[key]) and r[key] > 0
@@ -28,5 +28,5 @@ def test_headless_benchmark_tiny_cpu(tmp_path, e2e_model_file):
         assert r["speedup_vs_eager"] == pytest.approx(r["baseline_s_per_image_median"] / r["s_per_image_median"])
         assert r["s_per_step_median"] == pytest.approx(r["s_per_image_median"] / 3)
     assert rows["eager-bf16"]["denoiser_rel_err"] == 0
-    for name in ("fp8-per_tensor", "fp8-per_row"):
+    for name in ("fp8-per_tensor", "fp8-per_row", "fp8-per_row-naive-all_linear"):
         assert 0 < rows[name]["denoiser_rel_err"] < 0.1
