@@ -35,7 +35,7 @@ class CompileConfig:
     resolution_policy: Literal["strict", "recompile", "eager_fallback"] = "strict"
     max_shapes: int = 4
     persistent_cache: bool = True
-    block_regions: bool = False
+    block_regions: bool = True  # H200 dev-1024-28: compile 73 -> 42 s, steady state +2-3 % (bench/NOTES.md)
 
     def __post_init__(self):
         if self.mode not in MODES:

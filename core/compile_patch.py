@@ -6,6 +6,7 @@ key is removed first. The loaded model and other branches are never compiled.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -116,10 +117,10 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
         fp8 = (model.model_options.get(FP8_KEY) or {}).get("config")
         if fp8 and fp8[-1] == "subclass":
             # torch has no rule for tensor-subclass weights (torchao's Float8Tensor) inside a nested compile region
-            raise FluxAccelError(
-                f"{node}: block_regions cannot compile FP8 weights in the 'subclass' layout (torch's nested compile "
-                f"regions do not take tensor-subclass weights). Set layout to 'plain' on Quantize FP8 (same numerics), "
-                f"or turn block_regions off.")
+            log.warning("FluxAccel: %s compiles without block_regions: FP8 weights in the 'subclass' layout cannot "
+                        "be used in torch's nested compile regions (a longer first compile, same numerics). Set "
+                        "layout 'plain' on Quantize FP8 to keep block_regions.", node)
+            cfg = dataclasses.replace(cfg, block_regions=False)
     device = torch.device(model.load_device)
     if cfg.cuda_graphs:
         blockers = cuda_graph_blockers(device)

@@ -36,10 +36,11 @@ class Compile(io.ComfyNode):
                                          "reload them after a restart, so the first image needs little compile time."),
                 io.Boolean.Input("clear_cache", default=False, optional=True,
                                  tooltip="Delete FluxAccel's saved compile artifacts before compiling."),
-                io.Boolean.Input("block_regions", default=False, optional=True,
+                io.Boolean.Input("block_regions", default=True, optional=True,
                                  tooltip="Compile each kind of FLUX block once and reuse it for the other 18/37 "
-                                         "(torch nested compile regions) inside the one whole-model graph: a much "
-                                         "shorter first run; CUDA graphs still cover the whole model."),
+                                         "(torch nested compile regions) inside the one whole-model graph: about half "
+                                         "the compile time (H200: 42 vs 73 s); CUDA graphs still cover the whole "
+                                         "model. Costs 2-3 % per step at 1024². Needs Quantize FP8 layout 'plain'."),
             ],
             outputs=[io.Model.Output(tooltip="The model, compiled on first use; the input model is unchanged.")],
             hidden=[io.Hidden.unique_id],
@@ -51,7 +52,7 @@ class Compile(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, cuda_graphs, mode, resolution_policy, max_shapes, persistent_cache=True,
-                clear_cache=False, block_regions=False) -> io.NodeOutput:
+                clear_cache=False, block_regions=True) -> io.NodeOutput:
         if clear_cache:
             compile_cache.clear()
         cfg = CompileConfig(cuda_graphs=cuda_graphs, mode=mode, resolution_policy=resolution_policy,

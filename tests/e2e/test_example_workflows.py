@@ -72,12 +72,13 @@ def test_quickstart_api_workflow_headless(server):
         assert "FP8 per_row" in out["3"]["text"][0]
     assert "5" not in cached and "6" not in cached
     assert "64x64" in out["5"]["text"][0] or "8x8" in out["5"]["text"][0]
-    assert "| fp8-per_row-plain+compile+graphs |" in out["6"]["text"][0].replace("|  ", "| ")
+    assert "| fp8-per_row-plain+compile+graphs+regions |" in out["6"]["text"][0].replace("|  ", "| ")
     assert out["6"]["images"] and out["6"]["fluxaccel_json"] and out["6"]["fluxaccel_speedup"][0] > 0
 
 
 def test_compile_benchmark_api_workflow_headless(server):
-    """The compile benchmark API workflow (FP8 per-row/per-tensor/plain per-row + graphs, bf16 with and without graphs) through
+    """The compile benchmark API workflow (FP8 per-row/per-tensor/plain per-row + graphs, with block regions, with FP8
+    modulation; bf16 with and without graphs) through
     POST /prompt on the tiny model: every Benchmark node reports its table and its JSON in /history."""
     api = json.loads((EXAMPLES / "api" / "fluxaccel_compile_benchmark.json").read_text())
     api["1"]["inputs"]["unet_name"] = E2E_UNET
@@ -92,7 +93,9 @@ def test_compile_benchmark_api_workflow_headless(server):
     out = hist["outputs"]
     for nid, label in (("11", "fp8-per_row+compile+graphs"), ("12", "fp8-per_tensor+compile+graphs"),
                        ("13", "bf16+compile+graphs"), ("14", "bf16+compile"),
-                       ("15", "fp8-per_row-plain+compile+graphs")):
+                       ("15", "fp8-per_row-plain+compile+graphs"),
+                       ("17", "fp8-per_row-plain+compile+graphs+regions"),
+                       ("20", "fp8-per_row-plain-blocks+modulation+compile+graphs+regions")):
         assert f"| {label} |" in out[nid]["text"][0], (nid, out[nid]["text"][0])
         assert out[nid]["fluxaccel_json"] and nid in progress
 
