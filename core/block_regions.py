@@ -76,12 +76,12 @@ class BlockRegions:
         self._table: dict = {}
 
     def table(self) -> dict:
-        blocks = (tuple(self._dm.double_blocks), tuple(self._dm.single_blocks))
-        flat = blocks[0] + blocks[1]
-        if len(flat) != len(self._blocks) or any(a is not b for a, b in zip(flat, self._blocks)):
-            self._blocks = flat
-            self._table = {(DOUBLE, i): _double_replacement(b) for i, b in enumerate(blocks[0])}
-            self._table.update({(SINGLE, i): _single_replacement(b) for i, b in enumerate(blocks[1])})
+        blocks = (*self._dm.double_blocks, *self._dm.single_blocks)
+        if len(blocks) != len(self._blocks) or any(a is not b for a, b in zip(blocks, self._blocks)):
+            n = len(self._dm.double_blocks)
+            self._blocks = blocks
+            self._table = {(DOUBLE, i): _double_replacement(b) for i, b in enumerate(blocks[:n])}
+            self._table.update({(SINGLE, i): _single_replacement(b) for i, b in enumerate(blocks[n:])})
         return self._table
 
     def transformer_options(self) -> dict:

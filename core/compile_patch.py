@@ -114,8 +114,8 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
     if cfg.block_regions:
         from .fp8_patch import FP8_KEY
 
-        fp8 = (model.model_options.get(FP8_KEY) or {}).get("config")
-        if fp8 and fp8[-1] == "subclass":
+        fp8 = (model.model_options.get(FP8_KEY) or {}).get("config")  # Fp8Config.key(): granularity, scope, layout
+        if fp8 and fp8[2] == "subclass":
             # torch has no rule for tensor-subclass weights (torchao's Float8Tensor) inside a nested compile region
             log.warning("FluxAccel: %s compiles without block_regions: FP8 weights in the 'subclass' layout cannot "
                         "be used in torch's nested compile regions (a longer first compile, same numerics). Set "
