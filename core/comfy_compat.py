@@ -1,34 +1,71 @@
-"""Newer ComfyUI features that conflict with FluxAccel, detected by what they leave on a model.
+"""What current ComfyUI (0.33 and newer) puts between FluxAccel and the FLUX weights, and how each is met.
 
-Tests run on ComfyUI 0.3.75, which has none of these; newer releases add:
-  * dynamic VRAM (ModelPatcherDynamic: weights streamed on demand, addresses not fixed)  -> --disable-dynamic-vram
-  * comfy-kitchen / mixed-precision ops (weights already quantized tensors)             -> load bf16 weights
-  * a built-in per-block CUDA-graph compiler (wrappers/attachments on the model)        -> remove it for our model
-Detection is by class and key names, so it keeps working without importing the newer modules.
+  * dynamic VRAM (ModelPatcherDynamic, on by default on NVIDIA GPUs with torch >= 2.8): weights are cast per call
+    through comfy-aimdo's VBAR slots, so their addresses are not fixed and the compiler breaks the graph at every
+    Linear. Our nodes work on ComfyUI's non-dynamic delegate of the model (`get_non_dynamic_delegate`, the same
+    reload core's TorchCompileModel makes with `clone(disable_dynamic=True)`): the checkpoint loaded a second time
+    as a plain, fully resident ModelPatcher, cached on the dynamic patcher. Other branches keep dynamic VRAM.
+  * core's own per-block CUDA graphs (comfy/model_prefetch.py, for dynamic-VRAM models of other families): FLUX's
+    forward does not use them; modules it has captured are found by its own registry and refused for our compile.
+  * weights that are already tensor subclasses other than torchao's (mixed-precision / scaled-FP8 checkpoints:
+    ComfyUI's QuantizedTensor) are found here; fp8_patch decides what to do with them.
+ComfyUI 0.3.75 has none of these: every function here answers "nothing to do" there.
 """
 from __future__ import annotations
 
+import logging
+
 from .errors import FluxAccelError
 
+log = logging.getLogger("fluxaccel.compat")
+
 _OURS = ("fluxaccel",)
-_COMPILER_WORDS = ("cuda_graph", "cudagraph", "compiler")
 
 
-def dynamic_vram(model) -> bool:
-    return any("Dynamic" in cls.__name__ for cls in type(model).__mro__)
+def is_dynamic(model) -> bool:
+    """ComfyUI 0.33's own answer (ModelPatcher.is_dynamic); False on releases without dynamic VRAM."""
+    fn = getattr(model, "is_dynamic", None)
+    return bool(fn()) if callable(fn) else False
+
+
+def resident(model, node: str):
+    """The model with fixed, fully resident weights that FP8 copies and CUDA graphs need.
+
+    A dynamic-VRAM patcher gives ComfyUI's non-dynamic delegate: the same checkpoint, patches, options and wrappers
+    on a plain ModelPatcher (its weights a second copy in host RAM, loaded once per loaded model and kept by the
+    dynamic patcher for the next call). Any other model is returned as it is.
+    """
+    if not is_dynamic(model):
+        return model
+    try:
+        delegate = model.get_non_dynamic_delegate()
+    except RuntimeError as e:  # a custom loader that registered no cached_patcher_init: nothing to reload from
+        raise FluxAccelError(
+            f"{node}: ComfyUI's dynamic VRAM streams this model's weights on demand, and the node that loaded it gives "
+            f"no way to load them as fixed, resident weights ({e}). Load the model with UNETLoader (Load Diffusion "
+            f"Model) or CheckpointLoaderSimple, or start ComfyUI with --disable-dynamic-vram.") from e
+    if is_dynamic(delegate):
+        raise FluxAccelError(f"{node}: ComfyUI returned a dynamic-VRAM model where a resident one was asked for "
+                             f"({type(delegate).__name__}); start ComfyUI with --disable-dynamic-vram.")
+    log.info("FluxAccel: %s works on a resident copy of this dynamic-VRAM model (ComfyUI's non-dynamic delegate; "
+             "its weights take host RAM once more)", node)
+    return delegate
+
+
+def core_block_graphs(dm) -> list[str]:
+    """Modules of this diffusion model that ComfyUI's per-block CUDA graphs (comfy/model_prefetch.py) warmed up or
+    captured; empty on releases without them."""
+    try:
+        import comfy.model_prefetch as prefetch
+    except ImportError:
+        return []
+    held = set(map(id, prefetch.GRAPH_MODULES)) | set(map(id, prefetch.GRAPH_WARMED_MODULES))
+    return [f"diffusion_model.{name}" for name, mod in dm.named_modules() if id(mod) in held]
 
 
 def foreign_graph_compilers(model) -> list[str]:
-    """Wrapper or attachment keys of another CUDA-graph compiler on this model (ComfyUI's own or a plugin's)."""
-    found = []
-    for wtype, by_key in getattr(model, "wrappers", {}).items():
-        for key, fns in by_key.items():
-            if fns and not key.startswith(_OURS) and any(w in key.lower() for w in _COMPILER_WORDS):
-                found.append(f"{wtype} wrapper '{key}'")
-    for key in getattr(model, "attachments", {}):
-        if not key.startswith(_OURS) and any(w in key.lower() for w in _COMPILER_WORDS):
-            found.append(f"attachment '{key}'")
-    return found
+    """Another CUDA-graph capture of this model's blocks (ComfyUI's own per-block graphs)."""
+    return [f"ComfyUI per-block CUDA graph on {name}" for name in core_block_graphs(model.model.diffusion_model)]
 
 
 def kitchen_quantized(dm) -> list[str]:
@@ -44,14 +81,13 @@ def kitchen_quantized(dm) -> list[str]:
 
 
 def require_compatible(model, dm, node: str) -> None:
-    if dynamic_vram(model):
-        raise FluxAccelError(
-            f"{node}: ComfyUI's dynamic VRAM manages this model ({type(model).__name__}): it streams weights on "
-            f"demand, so FP8 copies and CUDA graphs cannot keep fixed weights. Start ComfyUI with "
-            f"--disable-dynamic-vram to use FluxAccel.")
+    """After resident(): refuse what FluxAccel cannot work on, saying what to do."""
+    if is_dynamic(model):
+        raise FluxAccelError(f"{node}: internal error: a dynamic-VRAM model reached FluxAccel without its resident "
+                             f"copy; start ComfyUI with --disable-dynamic-vram and report this.")
     kitchen = kitchen_quantized(dm)
     if kitchen:
         raise FluxAccelError(
             f"{node}: this model's weights are already quantized by ComfyUI's mixed-precision ops "
-            f"({', '.join(kitchen[:3])}{', ...' if len(kitchen) > 3 else ''}). Load the bf16 checkpoint "
-            f"(UNETLoader weight_dtype 'default') to use FluxAccel, or skip FluxAccel for this model.")
+            f"({', '.join(kitchen[:3])}{', ...' if len(kitchen) > 3 else ''}). Load the bf16 checkpoint (UNETLoader "
+            f"weight_dtype 'default') to use FluxAccel, or skip FluxAccel for this model.")

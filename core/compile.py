@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from .errors import FluxAccelError
+from .rope import torch_rope
 
 log = logging.getLogger("fluxaccel.compile")
 
@@ -121,6 +122,23 @@ def _unsupported_options(transformer_options: dict) -> list[str]:
     return found
 
 
+# transformer_options that FLUX reads and the compiled call passes through (the graph guards on them: a changed
+# value compiles again, a constant one costs nothing per call). The rest of what the sampler puts there (sigmas,
+# uuids, cond_or_uncond, wrappers, ...) FLUX's forward does not read, and would only add guards.
+PASSED_OPTIONS: tuple[str, ...] = ("rope_options", "optimized_attention_override")
+
+
+def call_options(transformer_options: dict, regions=None) -> dict:
+    """The transformer_options of one compiled call: block regions' table, the options FLUX reads, and the attention
+    FluxAccel compiles with (core/attention.py) unless the workflow set its own override."""
+    from .attention import OVERRIDE_KEY, sdpa_cudnn_first
+
+    opts = regions.transformer_options() if regions is not None else {}
+    opts.update({k: transformer_options[k] for k in PASSED_OPTIONS if k in transformer_options})
+    opts.setdefault(OVERRIDE_KEY, sdpa_cudnn_first)
+    return opts
+
+
 @dataclass
 class CompileStats:
     shapes: list[ShapeKey] = field(default_factory=list)
@@ -130,6 +148,7 @@ class CompileStats:
     eager_calls: int = 0
     cache_loaded: bool = False
     graph_skips: dict[ShapeKey, int] = field(default_factory=dict)  # inductor's cudagraph_skips at each compile
+    graphs_off_reason: str = ""  # CUDA graphs asked for but not possible in this process (compile_patch.py)
     compile_phases: dict[ShapeKey, dict[str, float]] = field(default_factory=dict)  # PHASES seconds per compile
     # last warm calls: host seconds spent inside the call (graph replay is asynchronous, so on a GPU this is the
     # launch overhead: guards, input checks, replay) and (start, end) CUDA events around it (device time)
@@ -254,8 +273,9 @@ class CompiledFlux(torch.nn.Module):
             # which is safe because we return a copy below.
             torch.compiler.cudagraph_mark_step_begin()
             self.stats.marks += 1
-        options = self.regions.transformer_options() if self.regions is not None else {}
-        out = self._compiled(x, timestep, context=context, transformer_options=options, **kwargs)
+        with torch_rope():  # plain-torch RoPE, fused by inductor (ComfyUI 0.33's is an opaque kitchen op: rope.py)
+            out = self._compiled(x, timestep, context=context,
+                                 transformer_options=call_options(transformer_options, self.regions), **kwargs)
         if self.graphs:
             out = out.clone()  # the sampler keeps outputs across steps; graph-owned memory is reused on replay
         self.stats.calls += 1

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from .comfy_compat import foreign_graph_compilers, require_compatible
+from .comfy_compat import foreign_graph_compilers, require_compatible, resident
 from .compile import CompileConfig, CompiledFlux
 from .env import require_torch
 from .errors import FluxAccelError
@@ -68,8 +68,8 @@ def cuda_graph_blockers(device: torch.device) -> list[str]:
     except (AttributeError, RuntimeError):
         backend = "native"
     if backend == "cudaMallocAsync":
-        out.append("ComfyUI runs PyTorch's cudaMallocAsync allocator (its default), which CUDA-graph memory pools "
-                   "do not support: start ComfyUI with --disable-cuda-malloc")
+        out.append("ComfyUI runs PyTorch's cudaMallocAsync allocator (its default), which inductor's CUDA-graph "
+                   "trees do not support; start ComfyUI with --disable-cuda-malloc to use CUDA graphs")
     return out
 
 
@@ -101,8 +101,10 @@ def _variant(model) -> str:
 
 def apply_compile(model, cfg: CompileConfig, node: str = NODE):
     """Return a clone of `model` whose diffusion model runs compiled (and graph-captured) as one module."""
-    dm = require_flux(model, node)
+    require_flux(model, node)
     require_torch(node)
+    model = resident(model, node)  # ComfyUI 0.33's dynamic VRAM: its non-dynamic delegate (comfy_compat.py)
+    dm = require_flux(model, node)
     require_fully_loaded(model, node)
     require_compatible(model, dm, node)
     regional = regional_compiles(model) + foreign_graph_compilers(model)
@@ -122,11 +124,15 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
                         "layout 'plain' on Quantize FP8 to keep block_regions.", node)
             cfg = dataclasses.replace(cfg, block_regions=False)
     device = torch.device(model.load_device)
+    graphs_off = ""
     if cfg.cuda_graphs:
         blockers = cuda_graph_blockers(device)
         if blockers:
-            raise FluxAccelError(f"{node}: CUDA graphs cannot be used here: {'; '.join(blockers)}. Or set "
-                                 f"cuda_graphs off on this node.")
+            # compiled without graphs, and said so: in the log (once per Compile node run), the model's stats,
+            # its label and the editor badge
+            graphs_off = "; ".join(blockers)
+            log.warning("FluxAccel: %s compiles without CUDA graphs: %s", node, graphs_off)
+            cfg = dataclasses.replace(cfg, cuda_graphs=False)
     clone = model.clone()
     wt = _apply_model_type()
     clone.remove_wrappers_with_key(wt, COMPILE_KEY)
@@ -135,6 +141,7 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
         clone.remove_wrappers_with_key(wt, COMFY_COMPILE_KEY)
         clone.model_options.pop("torch_compile_kwargs", None)
     compiled = CompiledFlux(dm, cfg, device, variant=_variant(model))
+    compiled.stats.graphs_off_reason = graphs_off
     clone.add_wrapper_with_key(wt, COMPILE_KEY, _swap_in_factory(compiled))
     clone.add_callback_with_key(on_load_callback_type(), COMPILE_KEY, partial_load_guard(node))
     return clone, compiled

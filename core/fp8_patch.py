@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from comfy.patcher_extension import CallbacksMP
 
-from .comfy_compat import require_compatible
+from .comfy_compat import require_compatible, resident
 from .env import require_fp8_device, require_torch, require_torchao
 from .errors import FluxAccelError
 from .flux import on_load_callback_type, partial_load_guard, require_bf16_weights, require_flux, require_fully_loaded
@@ -123,13 +123,25 @@ class _Kept(dict):
         return self
 
 
+def _string_to_seed():
+    """ComfyUI's per-key rounding seed: comfy.utils on 0.33 (comfy.model_patcher's name there is a shim that logs a
+    warning per call), comfy.model_patcher on 0.3.75."""
+    import comfy.utils
+
+    fn = getattr(comfy.utils, "string_to_seed", None)
+    if fn is None:
+        from comfy.model_patcher import string_to_seed as fn
+    return fn
+
+
 def _as_this_clone_runs(model, lin: torch.nn.Linear, name: str, device: torch.device):
     """The weight and bias this clone would run for `lin`: the unpatched tensors (ComfyUI's shared backup while
     another clone's weight patches are applied to the live model) plus this clone's own weight patches (LoRA, ...),
     computed as ComfyUI's loader does. Returns ({param name: tensor}, merged patch keys)."""
     import comfy.float
     import comfy.lora
-    from comfy.model_patcher import string_to_seed
+
+    string_to_seed = _string_to_seed()
 
     merged, params = [], {}
     for p in ("weight", "bias"):
@@ -154,9 +166,11 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     Quantizing a model that already carries the same FP8 config is a no-op (the same model is returned);
     a different config re-quantizes from the original bf16 weights, never from FP8.
     """
-    dm = require_flux(model, node)
+    require_flux(model, node)
     require_torch(node)
     require_torchao()
+    model = resident(model, node)  # ComfyUI 0.33's dynamic VRAM: its non-dynamic delegate (comfy_compat.py)
+    dm = require_flux(model, node)
     require_fully_loaded(model, node)
     prev = model.model_options.get(FP8_KEY)
     if prev is not None and prev["config"] == cfg.key():

@@ -40,6 +40,7 @@ def describe(model) -> dict:
                           "compile_phases_s": {k.describe(): v for k, v in st.compile_phases.items()},
                           "calls": st.calls, "graph_step_marks": st.marks, "eager_calls": st.eager_calls,
                           "cache_loaded": st.cache_loaded, "graph_skips": sum(st.graph_skips.values()),
+                          "graphs_off_reason": st.graphs_off_reason,
                           **st.call_timings()}
     return out
 

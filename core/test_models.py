@@ -2,7 +2,7 @@
 
 No weights are downloaded: every model here is FLUX's real ComfyUI architecture with seeded random weights.
   tiny     hidden 256, 2 heads, 2 double + 2 single blocks  -- built in-process for CPU unit tests
-  e2e      hidden 3072 (what ComfyUI 0.3.75's detection forces), 1 double + 1 single block -- written to a
+  e2e      hidden 3072 (what ComfyUI's FLUX detection forces), 1 double + 1 single block -- written to a
            .safetensors that ComfyUI's own UNETLoader detects as FLUX (e2e-schnell: the same without guidance
            embedding, detected as FLUX.1-schnell)
   dev      FLUX.1-dev shape (19 double + 38 single blocks, guidance embedding)
@@ -34,10 +34,19 @@ SHAPES: dict[str, dict] = {
 
 
 def unet_config(shape: str) -> dict:
+    """The unet_config ComfyUI's own detection would give this shape on the running host: ComfyUI 0.33's FluxParams
+    also takes txt_ids_dims ([] for FLUX.1, as comfy/model_detection.py sets it); 0.3.75's does not accept it."""
     try:
-        return dict(SHAPES[shape])
+        cfg = dict(SHAPES[shape])
     except KeyError:
         raise ValueError(f"unknown FLUX shape {shape!r}; choose one of {sorted(SHAPES)}") from None
+    import dataclasses
+
+    import comfy.ldm.flux.model
+
+    if "txt_ids_dims" in {f.name for f in dataclasses.fields(comfy.ldm.flux.model.FluxParams)}:
+        cfg["txt_ids_dims"] = []
+    return cfg
 
 
 @torch.no_grad()

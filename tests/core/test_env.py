@@ -5,6 +5,7 @@ import sys
 import pytest
 import torch
 
+from conftest import COMFY_VERSION
 from core import env
 from core.errors import FluxAccelError
 
@@ -60,4 +61,4 @@ def test_cpu_needs_explicit_opt_in(monkeypatch):
 
 def test_describe_has_versions():
     d = env.describe()
-    assert d["torch"] == torch.__version__ and d["torchao"] and d["comfyui"] == "0.3.75"
+    assert d["torch"] == torch.__version__ and d["torchao"] and d["comfyui"] == COMFY_VERSION

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import COMFY_VERSION, ROOT
 
 pytestmark = pytest.mark.e2e
 
@@ -18,7 +18,7 @@ def test_headless_benchmark_tiny_cpu(tmp_path, e2e_model_file):
     assert "RANDOM weights" in p.stdout and "| fp8-per_row |" in p.stdout
     res = json.loads((tmp_path / "cpu-tiny-cpu.json").read_text())
     assert res["case"] == "tiny-cpu" and res["gpu"] == "cpu" and res["command"].startswith("python tools/bench.py")
-    assert res["env"]["comfyui"] == "0.3.75" and res["env"]["torchao"] and "driver" in res["env"] and res["date"]
+    assert res["env"]["comfyui"] == COMFY_VERSION and res["env"]["torchao"] and "driver" in res["env"] and res["date"]
     rows = {r["config"]: r for r in res["results"]}
     assert list(rows) == ["eager-bf16", "fp8-per_tensor", "fp8-per_row", "fp8-per_row-naive-all_linear"]
     for r in rows.values():
