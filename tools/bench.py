@@ -70,9 +70,13 @@ def core_prompt(unet_name: str) -> dict:
                    mode="default", resolution_policy="strict", max_shapes=4, persistent_cache=True,
                    clear_cache=False, block_regions=True),
     }
+    p["10"] = _node("FluxAccelCompile", "Compile (blocks+modulation, no block regions)", model=["8", 0],
+                    cuda_graphs=True, mode="default", resolution_policy="strict", max_shapes=4,
+                    persistent_cache=True, clear_cache=False, block_regions=False)
     rows = [("3", "core TorchCompileModel", "core-torchcompile"),
             ("5", "core fp8_e4m3fn_fast + TorchCompileModel", "core-fp8_e4m3fn_fast+torchcompile"),
-            ("7", "FluxAccel default", ""), ("9", "FluxAccel best (blocks+modulation)", "")]
+            ("7", "FluxAccel default", ""), ("9", "FluxAccel best (blocks+modulation)", ""),
+            ("10", "FluxAccel fastest (blocks+modulation, no block regions)", "")]
     for i, (model, title, label) in enumerate(rows):
         p[str(20 + i)] = _node("FluxAccelBenchmark", f"Benchmark {title}", model=[model, 0], baseline=["1", 0],
                                positive=["2", 0], text_length=512, width=1024, height=1024, steps=28, runs=3,
@@ -147,7 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder for the results JSON")
     ap.add_argument("--models-dir", default=str(ROOT / ".cache" / "models"), help="where random-weight models are cached")
     ap.add_argument("--server-arg", action="append", default=[], help="extra ComfyUI launch flag (repeatable)")
-    ap.add_argument("--only", help="run only the Benchmark nodes whose title contains this text")
+    ap.add_argument("--only", action="append",
+                    help="run only the Benchmark nodes whose title contains this text (repeatable: any of them)")
     ap.add_argument("--log", help="copy the ComfyUI server log here when done (also on failure)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[fluxaccel] %(message)s")
@@ -193,13 +198,14 @@ def main(argv=None) -> int:
     prompt = build_prompt(case, unet_name, runs, a.suite)
     if a.only:
         prompt = {k: v for k, v in prompt.items()
-                  if v["class_type"] != "FluxAccelBenchmark" or a.only in v.get("_meta", {}).get("title", "")}
+                  if v["class_type"] != "FluxAccelBenchmark" or any(o in v.get("_meta", {}).get("title", "")
+                                                                     for o in a.only)}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "cpu" if not gpu else gpu.lower().replace(" ", "-")
     stem = f"{tag}-{case_name}" + ("" if a.suite == "fp8" else f"-{a.suite}")
     if a.only:
-        stem += "-" + "".join(c if c.isalnum() else "-" for c in a.only.lower()).strip("-")
+        stem += "-" + "".join(c if c.isalnum() else "-" for c in "-".join(a.only).lower()).strip("-")
     path = out / f"{stem}.json"
     files: list[tuple[int, dict]] = []  # (node id, benchmark file), in completion order
 
