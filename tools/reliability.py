@@ -8,6 +8,7 @@ Compile + CUDA Graph (strict) -> KSampler, 512x512 and 256 tokens on a GPU (64x6
 Cases (issue: reliability, items 4, 5 and 7):
   interrupt     /interrupt during sampling; the next prompt equals the reference, with the captured graphs
   free_reload   /free unloads the model; the rerun equals the reference
+  branch_isolation  the loaded model without our nodes, after ours ran: equals its own earlier result
   vram_50       N consecutive prompts (new seed each): allocated VRAM and host RSS grow < 2 % after the first 3
 """
 from __future__ import annotations
@@ -49,6 +50,14 @@ def prompt(seed: int, steps: int, size: int, text_length: int, tag: str, latent_
     }
 
 
+def plain_prompt(seed: int, steps: int, size: int, text_length: int, tag: str, latent_node="EmptySD3LatentImage"):
+    """The same model and sampler without FluxAccel's nodes (a branch that uses the loaded model as it is)."""
+    p = prompt(seed, steps, size, text_length, tag, latent_node)
+    del p["4"], p["5"]
+    p["6"]["inputs"]["model"] = ["1", 0]
+    return p
+
+
 def sampled(hist: dict) -> bool:
     """The KSampler ran in this prompt (was not served from ComfyUI's node cache)."""
     return "6" not in ComfyServer.cached_nodes(hist)
@@ -69,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--models-dir", default=str(ROOT / ".cache" / "models"))
     ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="ComfyUI launch flag on a GPU (default: none, ComfyUI's defaults)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[fluxaccel] %(message)s")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
@@ -78,12 +89,13 @@ def main(argv=None) -> int:
 
     models = Path(a.models_dir)
     write_flux_file(models / "diffusion_models" / UNET, "e2e", device="cuda" if gpu else "cpu")
-    args, env = (["--disable-cuda-malloc"], {}) if gpu else (list(host.CPU_SERVER_ARGS), {"FLUXACCEL_ALLOW_CPU_FP8": "1"})
+    args, env = (a.server_arg, {}) if gpu else (list(host.CPU_SERVER_ARGS), {"FLUXACCEL_ALLOW_CPU_FP8": "1"})
     cases: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="fluxaccel-rel-") as work:
         srv = ComfyServer(comfy_dir, Path(work), models, tuple(args), env=env).start()
         try:
             run = lambda seed, tag, n=steps: srv.run(prompt(seed, n, size, text_length, tag))  # noqa: E731
+            plain_ref = srv.saved_latent(srv.run(plain_prompt(1, steps, size, text_length, "plain-ref")), "7")
             ref = srv.saved_latent(run(1, "ref"), "7")
 
             # interrupt during sampling, then the reference again (ComfyUI re-executes: the KSampler did not finish)
@@ -102,7 +114,9 @@ def main(argv=None) -> int:
             except PromptFailed:
                 interrupted = "execution_interrupted" in events
             t.join()
-            hist = run(1, "after-interrupt")
+            # an equivalent empty-latent node (the same zeros for FLUX): ComfyUI 0.33's cache still holds the
+            # reference prompt's KSampler output, which would otherwise be served instead of sampling again
+            hist = srv.run(prompt(1, steps, size, text_length, "after-interrupt", latent_node="EmptyLatentImage"))
             again, equal = sampled(hist), bool(torch.equal(srv.saved_latent(hist, "7"), ref))
             cases["interrupt"] = {"interrupted": interrupted, "sampled_again": again, "equal_to_reference": equal,
                                   "passed": interrupted and again and equal}
@@ -113,6 +127,13 @@ def main(argv=None) -> int:
             hist = srv.run(prompt(1, steps, size, text_length, "after-free", latent_node="EmptyLatentImage"))
             again, equal = sampled(hist), bool(torch.equal(srv.saved_latent(hist, "7"), ref))
             cases["free_reload"] = {"sampled_again": again, "equal_to_reference": equal, "passed": again and equal}
+
+            # the loaded model without our nodes, after ours ran on it (on 0.33: dynamic VRAM, ours on its delegate)
+            hist = srv.run(plain_prompt(1, steps, size, text_length, "plain-again", latent_node="EmptyLatentImage"))
+            again, equal = sampled(hist), bool(torch.equal(srv.saved_latent(hist, "7"), plain_ref))
+            differs = not torch.equal(plain_ref, ref)  # FP8 + compile does change the numbers: the check can fail
+            cases["branch_isolation"] = {"sampled_again": again, "equal_to_plain_reference": equal,
+                                         "fluxaccel_differs_from_plain": differs, "passed": again and equal and differs}
 
             # N prompts with new seeds: memory after each
             vram, host_rss, t0 = [], [], time.perf_counter()
@@ -137,7 +158,8 @@ def main(argv=None) -> int:
               "cases": cases, "passed": sum(c["passed"] for c in cases.values()), "total": len(cases)}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"reliability-{'h200' if gpu and 'H200' in gpu else (gpu or 'cpu').lower().replace(' ', '-')}.json"
+    device = 'h200' if gpu and 'H200' in gpu else (gpu or 'cpu').lower().replace(' ', '-')
+    path = out / f"reliability-{device}-{result['env']['comfyui']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     for name, c in cases.items():
         print(f"{name:12s} {'pass' if c['passed'] else 'FAIL'}")
