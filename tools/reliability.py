@@ -96,6 +96,9 @@ def main(argv=None) -> int:
         try:
             run = lambda seed, tag, n=steps: srv.run(prompt(seed, n, size, text_length, tag))  # noqa: E731
             plain_ref = srv.saved_latent(srv.run(plain_prompt(1, steps, size, text_length, "plain-ref")), "7")
+            # the plain branch's own repeatability, before any FluxAccel node ran (the cache reset makes it sample)
+            srv.free(unload_models=False, free_memory=True)
+            plain_rep = srv.saved_latent(srv.run(plain_prompt(1, steps, size, text_length, "plain-rep")), "7")
             ref = srv.saved_latent(run(1, "ref"), "7")
 
             # interrupt during sampling, then the reference again (ComfyUI re-executes: the KSampler did not finish)
@@ -132,7 +135,13 @@ def main(argv=None) -> int:
             hist = srv.run(plain_prompt(1, steps, size, text_length, "plain-again", latent_node="EmptyLatentImage"))
             again, equal = sampled(hist), bool(torch.equal(srv.saved_latent(hist, "7"), plain_ref))
             differs = not torch.equal(plain_ref, ref)  # FP8 + compile does change the numbers: the check can fail
+            after = srv.saved_latent(hist, "7")
+            rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
             cases["branch_isolation"] = {"sampled_again": again, "equal_to_plain_reference": equal,
+                                         "plain_repeat_equal": bool(torch.equal(plain_rep, plain_ref)),
+                                         "plain_repeat_rel_diff": rel(plain_rep, plain_ref),
+                                         "plain_after_fluxaccel_rel_diff": rel(after, plain_ref),
+                                         "fluxaccel_vs_plain_rel_diff": rel(ref, plain_ref),
                                          "fluxaccel_differs_from_plain": differs, "passed": again and equal and differs}
 
             # N prompts with new seeds: memory after each
