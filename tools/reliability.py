@@ -133,14 +133,16 @@ def main(argv=None) -> int:
 
             # the loaded model without our nodes, after ours ran on it (on 0.33: dynamic VRAM, ours on its delegate)
             hist = srv.run(plain_prompt(1, steps, size, text_length, "plain-again", latent_node="EmptyLatentImage"))
-            again, equal = sampled(hist), bool(torch.equal(srv.saved_latent(hist, "7"), plain_ref))
-            differs = not torch.equal(plain_ref, ref)  # FP8 + compile does change the numbers: the check can fail
+            # compared with the plain branch's second run: on ComfyUI 0.33 the first sampling after a dynamic-VRAM
+            # load differs from later ones by ~0.2 % (seen on the H200 before any FluxAccel node ran)
+            again, equal = sampled(hist), bool(torch.equal(srv.saved_latent(hist, "7"), plain_rep))
+            differs = not torch.equal(plain_rep, ref)  # FP8 + compile does change the numbers: the check can fail
             after = srv.saved_latent(hist, "7")
             rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
-            cases["branch_isolation"] = {"sampled_again": again, "equal_to_plain_reference": equal,
+            cases["branch_isolation"] = {"sampled_again": again, "equal_to_plain_repeat": equal,
                                          "plain_repeat_equal": bool(torch.equal(plain_rep, plain_ref)),
                                          "plain_repeat_rel_diff": rel(plain_rep, plain_ref),
-                                         "plain_after_fluxaccel_rel_diff": rel(after, plain_ref),
+                                         "plain_after_fluxaccel_rel_diff": rel(after, plain_rep),
                                          "fluxaccel_vs_plain_rel_diff": rel(ref, plain_ref),
                                          "fluxaccel_differs_from_plain": differs, "passed": again and equal and differs}
 
