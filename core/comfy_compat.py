@@ -68,6 +68,44 @@ def foreign_graph_compilers(model) -> list[str]:
     return [f"ComfyUI per-block CUDA graph on {name}" for name in core_block_graphs(model.model.diffusion_model)]
 
 
+def quantized_tensor_class():
+    """ComfyUI's QuantizedTensor (0.33: comfy-kitchen's weight subclass of scaled-FP8 and other mixed-precision
+    checkpoints), or None on hosts without it."""
+    try:
+        from comfy.quant_ops import QuantizedTensor
+    except ImportError:
+        return None
+    return QuantizedTensor if isinstance(QuantizedTensor, type) and issubclass(QuantizedTensor, _torch().Tensor) else None
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def is_checkpoint_quantized(t) -> bool:
+    cls = quantized_tensor_class()
+    return cls is not None and isinstance(t, cls)
+
+
+def linear_like(mod) -> bool:
+    """An nn.Linear, or a Linear of ComfyUI's MixedPrecisionOps (not an nn.Linear; a 2-D weight, maybe quantized)."""
+    torch = _torch()
+    if isinstance(mod, torch.nn.Linear):
+        return True
+    w = getattr(mod, "weight", None)
+    return (type(mod).__name__ == "Linear" and isinstance(getattr(mod, "in_features", None), int)
+            and isinstance(getattr(mod, "out_features", None), int) and isinstance(w, torch.Tensor) and w.ndim == 2)
+
+
+def checkpoint_format(mod) -> str:
+    """How a checkpoint stored this Linear's weight: e.g. 'float8_e4m3fn (TensorCoreFP8E4M3Layout)'."""
+    fmt = getattr(mod, "quant_format", None) or "quantized"
+    layout = getattr(mod, "layout_type", None)
+    return f"{fmt} ({layout})" if layout else fmt
+
+
 def kitchen_quantized(dm) -> list[str]:
     """Parameters held as a tensor subclass other than torchao's (e.g. ComfyUI's QuantizedTensor)."""
     import torch
@@ -80,14 +118,15 @@ def kitchen_quantized(dm) -> list[str]:
     return out
 
 
-def require_compatible(model, dm, node: str) -> None:
-    """After resident(): refuse what FluxAccel cannot work on, saying what to do."""
+def require_compatible(model, dm, node: str, quantized_ok: bool = False) -> None:
+    """After resident(): refuse what FluxAccel cannot work on, saying what to do. quantized_ok: the caller
+    (Quantize FP8) handles checkpoint-quantized weights itself."""
     if is_dynamic(model):
         raise FluxAccelError(f"{node}: internal error: a dynamic-VRAM model reached FluxAccel without its resident "
                              f"copy; start ComfyUI with --disable-dynamic-vram and report this.")
-    kitchen = kitchen_quantized(dm)
+    kitchen = [] if quantized_ok else kitchen_quantized(dm)
     if kitchen:
         raise FluxAccelError(
             f"{node}: this model's weights are already quantized by ComfyUI's mixed-precision ops "
-            f"({', '.join(kitchen[:3])}{', ...' if len(kitchen) > 3 else ''}). Load the bf16 checkpoint (UNETLoader "
-            f"weight_dtype 'default') to use FluxAccel, or skip FluxAccel for this model.")
+            f"({', '.join(kitchen[:3])}{', ...' if len(kitchen) > 3 else ''}). Put Quantize FP8 (FluxAccel) before "
+            f"this node: it re-quantizes such checkpoints (and dequantizes the layers it keeps in bf16).")

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import uuid
+from types import SimpleNamespace
 from dataclasses import asdict, dataclass, field
 
 import torch
 from comfy.patcher_extension import CallbacksMP
 
-from .comfy_compat import require_compatible, resident
+from .comfy_compat import (checkpoint_format, is_checkpoint_quantized, linear_like, require_compatible,
+                           resident)
 from .env import require_fp8_device, require_torch, require_torchao
 from .errors import FluxAccelError
 from .flux import on_load_callback_type, partial_load_guard, require_bf16_weights, require_flux, require_fully_loaded
@@ -39,6 +41,10 @@ class Fp8Report:
     already_applied: bool = False
     merged_patches: list[str] = field(default_factory=list)  # weight patches (LoRA, ...) merged before quantizing
     layout: str = DEFAULT_LAYOUT
+    # a checkpoint already quantized by ComfyUI's mixed-precision ops (scaled FP8, ...): its format -> how many of the
+    # quantized Linears were re-quantized from their dequantized weights; and those outside the scope, now bf16
+    requantized: dict[str, int] = field(default_factory=dict)
+    dequantized: list[str] = field(default_factory=list)
 
     @property
     def bytes_saved(self) -> int:
@@ -55,10 +61,19 @@ class Fp8Report:
             head,
             f"quantized {len(self.quantized)} of {len(self.quantized) + len(self.skipped)} Linear layers; "
             f"weights {self.bytes_before / gib:.3f} GiB -> {self.bytes_after / gib:.3f} GiB "
-            f"(saved {self.bytes_saved / gib:.3f} GiB, {self.bytes_saved} bytes)",
+            + (f"(saved {self.bytes_saved / gib:.3f} GiB, {self.bytes_saved} bytes)" if self.bytes_saved >= 0 else
+               f"(+{-self.bytes_saved / gib:.3f} GiB: the checkpoint-quantized layers outside the scope are bf16 now)"),
         ]
         if self.merged_patches:
             lines.append(f"merged {len(self.merged_patches)} weight patches (LoRA etc.) into the FP8 weights")
+        for fmt, n in sorted(self.requantized.items()):
+            lines.append(f"checkpoint already quantized ({fmt}): {n} layers re-quantized {self.granularity} from "
+                         f"their dequantized weights (not reused: torchao's {self.granularity} scales differ)")
+        if self.dequantized:
+            shown = ", ".join(self.dequantized[:6]) + (f", ... (+{len(self.dequantized) - 6})"
+                                                       if len(self.dequantized) > 6 else "")
+            lines.append(f"dequantized to bf16 ({len(self.dequantized)}, checkpoint-quantized, outside the scope): "
+                         f"{shown}")
         by_reason: dict[str, list[str]] = {}
         for name, reason in self.skipped.items():
             by_reason.setdefault(reason, []).append(name)
@@ -86,9 +101,47 @@ def original_linears(model) -> dict[str, torch.nn.Linear]:
             mod = patched  # someone else's object patch on this clone: quantize what this clone runs
         else:
             mod = model.object_patches_backup.get(key, live)
-        if isinstance(mod, torch.nn.Linear) and not _is_ours(mod):
+        if linear_like(mod) and not _is_ours(mod):
             out[name] = mod
     return out
+
+
+def _plain_linear(mod, device, cast: bool = False) -> torch.nn.Linear:
+    """An empty ComfyUI Linear (the class a bf16 checkpoint loads; with cast, the manual-cast one that casts its
+    weight to the activation dtype per call) standing in for a MixedPrecisionOps Linear; its weight and bias are set
+    from the dequantized tensors."""
+    import comfy.ops
+
+    cls = (comfy.ops.manual_cast if cast else comfy.ops.disable_weight_init).Linear
+    lin = cls.__new__(cls)
+    torch.nn.Module.__init__(lin)
+    lin.in_features, lin.out_features = mod.in_features, mod.out_features
+    lin.register_parameter("weight", None)
+    lin.register_parameter("bias", None)
+    return lin
+
+
+def _as_selected(mod):
+    """What layer selection sees of a Linear: a checkpoint-quantized one as the bf16 weight it is quantized from."""
+    if not is_checkpoint_quantized(mod.weight):
+        return mod
+    return SimpleNamespace(weight=torch.empty(tuple(mod.weight.shape), dtype=torch.bfloat16, device="meta"))
+
+
+def _stored_bytes(lin) -> int:
+    w = lin.weight
+    return int(w.nbytes) if is_checkpoint_quantized(w) else linear_weight_bytes(lin)
+
+
+def _dequantized_linear(model, lin, name, device, compute_dtype):
+    """A bf16 ComfyUI Linear with the dequantized weight (and this clone's weight patches) of a checkpoint-quantized
+    Linear outside the FP8 scope: compiled models then hold no tensor-subclass weights."""
+    from .fp8 import _detached_copy
+
+    params, merged = _as_this_clone_runs(model, lin, name, device)
+    # the model computes in its manual-cast dtype (e.g. float32 on a CPU): then cast the bf16 weight per call
+    new = _detached_copy(_plain_linear(lin, device, cast=compute_dtype is not None), device, None, params)
+    return new, merged
 
 
 LATE_PATCH_MESSAGE = (
@@ -152,6 +205,8 @@ def _as_this_clone_runs(model, lin: torch.nn.Linear, name: str, device: torch.de
         bk = model.backup.get(key)
         if bk is not None:
             t = bk.weight
+        if is_checkpoint_quantized(t):  # scaled-FP8 / mixed-precision checkpoint: ComfyUI's own dequantization,
+            t = t.dequantize().to(torch.bfloat16)  # in bf16 as a bf16 checkpoint's weights (torchao per_row needs it)
         if model.patches.get(key):
             out = comfy.lora.calculate_weight(model.patches[key], t.to(device, torch.float32, copy=True), key)
             t = comfy.float.stochastic_rounding(out, t.dtype, seed=string_to_seed(key))
@@ -181,12 +236,12 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
         model = remove_fp8(model)
     device = torch.device(model.load_device)
     require_fp8_device(device)
-    require_compatible(model, dm, node)
+    require_compatible(model, dm, node, quantized_ok=True)
 
     originals = original_linears(model)
     require_bf16_weights(originals.values(), node)
     compute_dtype = getattr(model.model, "manual_cast_dtype", None)
-    sel = select_linears(originals.items(), cfg)
+    sel = select_linears(((n, _as_selected(m)) for n, m in originals.items()), cfg)
 
     clone = model.clone()
     report = Fp8Report(cfg.granularity, cfg.scope, str(device), skipped=dict(sel.skipped), layout=cfg.layout)
@@ -194,19 +249,37 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     for name in sel.chosen:
         lin = originals[name]
         params, merged_keys = _as_this_clone_runs(model, lin, name, device)
+        if is_checkpoint_quantized(lin.weight):
+            fmt = checkpoint_format(lin)
+            report.requantized[fmt] = report.requantized.get(fmt, 0) + 1
         for k in merged_keys:  # now inside the FP8 weights; kept aside for remove_fp8 (the Benchmark baseline)
             merged[k] = clone.patches.pop(k)
         report.merged_patches += merged_keys
         # quantize on the GPU (fast), then park the FP8 copy where ComfyUI keeps unloaded weights: the GPU
         # then holds only what ComfyUI itself loads (and accounts for), e.g. not two FP8 variants at once.
-        q = quantize_linear(lin, cfg, device, compute_dtype, params).to(model.offload_device)
+        base = lin if isinstance(lin, torch.nn.Linear) else _plain_linear(lin, device)
+        q = quantize_linear(base, cfg, device, compute_dtype, params).to(model.offload_device)
         key = f"diffusion_model.{name}"
         clone.add_object_patch(key, q)
         keys.append(key)
         report.quantized.append(name)
-        report.bytes_before += linear_weight_bytes(lin)
+        report.bytes_before += _stored_bytes(lin)
         report.bytes_after += linear_weight_bytes(q)
-    if not keys:
+    for name in sel.skipped:
+        lin = originals[name]
+        if not is_checkpoint_quantized(lin.weight):
+            continue
+        new, merged_keys = _dequantized_linear(model, lin, name, device, compute_dtype)
+        for k in merged_keys:
+            merged[k] = clone.patches.pop(k)
+        report.merged_patches += merged_keys
+        key = f"diffusion_model.{name}"
+        clone.add_object_patch(key, new.to(model.offload_device))
+        keys.append(key)
+        report.dequantized.append(name)
+        report.bytes_before += _stored_bytes(lin)
+        report.bytes_after += linear_weight_bytes(new)
+    if not report.quantized:
         raise FluxAccelError(f"{node}: no Linear layer matched scope '{cfg.scope}'; choose scope all_linear.")
     # A fresh patches_uuid makes ComfyUI unpatch/move the model when it switches between this clone and
     # another one, so the GPU holds only the weights of the clone being run.
@@ -214,7 +287,8 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     clone.size = max(1, model.model_size() - report.bytes_saved)
     # FP8 weights cannot be streamed per layer by ComfyUI's lowvram path
     clone.add_callback_with_key(on_load_callback_type(), FP8_KEY, partial_load_guard(node))
-    clone.add_callback_with_key(CallbacksMP.ON_CLONE, FP8_KEY, _refuse_late_weight_patches(keys, node))
+    fp8_keys = [f"diffusion_model.{n}" for n in report.quantized]  # the dequantized bf16 ones can take patches
+    clone.add_callback_with_key(CallbacksMP.ON_CLONE, FP8_KEY, _refuse_late_weight_patches(fp8_keys, node))
     report_dict = asdict(report)
     clone.model_options[FP8_KEY] = {"config": cfg.key(), "keys": keys, "report": report_dict,
                                      "merged_patches": merged}

@@ -54,7 +54,7 @@ def init_random_(module: torch.nn.Module, seed: int = 0) -> None:
     """Seeded random weights of sane scale: Linear weights ~ N(0, 1/fan_in), biases small, norm scales 1."""
     for i, (name, p) in enumerate(module.named_parameters()):
         g = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
-        if name.endswith("scale"):
+        if name.endswith(("scale", "_norm.weight")):  # RMSNorm gains: .scale (0.3.75), .weight (0.33)
             p.fill_(1.0)
         elif p.dim() >= 2:
             fan_in = p.shape[1]
@@ -106,7 +106,10 @@ def write_flux_file(path: str | os.PathLike, shape: str = "e2e", seed: int = 0, 
         holder = torch.nn.Module()
         holder.register_parameter(name.rsplit(".", 1)[-1], torch.nn.Parameter(t, requires_grad=False))
         init_random_(holder, seed * 7919 + i)
-        sd[name] = t.cpu().contiguous()
+        # BFL's key names, which both hosts load: ComfyUI 0.33 names the QK-norm gains .weight and renames
+        # *_norm.scale on load (comfy/supported_models.py); 0.3.75 names them .scale
+        key = name[: -len(".weight")] + ".scale" if name.endswith("_norm.weight") else name
+        sd[key] = t.cpu().contiguous()
     tmp = path.with_suffix(".tmp")
     save_file(sd, str(tmp), metadata={"fluxaccel": f"random-weight FLUX shape={shape} seed={seed}"})
     os.replace(tmp, path)
@@ -133,3 +136,37 @@ def synthetic_conditioning_for(dm: torch.nn.Module, text_len: int, batch: int = 
     """The same, with the widths read off a FLUX diffusion model."""
     vec_dim = dm.vector_in.in_layer.in_features if dm.vector_in is not None else 768
     return _conditioning(dm.txt_in.in_features, vec_dim, text_len, batch, guidance, seed)
+
+
+SCALED_FP8_LAYERS = r"^(double_blocks|single_blocks)\.\d+\..*(qkv|proj|mlp\.\d|linear\d|_mod\.lin|modulation\.lin)$|^(img_in|txt_in)$"
+
+
+def write_scaled_fp8_file(path: str | os.PathLike, bf16_file: str | os.PathLike) -> Path:
+    """Write a scaled-FP8 checkpoint in ComfyUI's mixed-precision format (QUANTIZATION.md of ComfyUI 0.33) from a bf16
+    FLUX file: the block Linears, the modulation and the image/text input embedders stored as float8_e4m3fn with a
+    per-tensor `weight_scale`, listed in the `_quantization_metadata` entry; everything else in bf16."""
+    import json
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    if path.exists():
+        return path
+    sd, layers = load_file(str(bf16_file)), {}
+    pattern = re.compile(SCALED_FP8_LAYERS)
+    for key in [k for k in sd if k.endswith(".weight")]:
+        layer = key[: -len(".weight")]
+        w = sd[key]
+        if w.ndim != 2 or not pattern.match(layer):
+            continue
+        scale = w.float().abs().amax().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+        sd[key] = (w.float() / scale).to(torch.float8_e4m3fn)
+        sd[f"{layer}.weight_scale"] = scale.reshape(())
+        layers[layer] = {"format": "float8_e4m3fn"}
+    tmp = path.with_suffix(".tmp")
+    save_file(sd, str(tmp), metadata={"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers}),
+                                      "fluxaccel": f"scaled-FP8 (per-tensor e4m3fn) copy of {Path(bf16_file).name}"})
+    os.replace(tmp, path)
+    log.info("wrote scaled-FP8 FLUX (%d layers) to %s", len(layers), path)
+    return path

@@ -37,16 +37,17 @@ def sample(model, seed=0, steps=2, cfg=1.0, sampler="euler", hw=16, text_len=16,
 
 
 def denoise_once(model, hw=16, text_len=16):
-    """One apply_model call (the denoiser forward) through ComfyUI's BaseModel, compile wrapper included."""
+    """One apply_model call (the denoiser forward) through ComfyUI's BaseModel, compile wrapper included; the
+    conditioning's widths are read off the model (tiny or FLUX-width)."""
     import comfy.model_management as mm
     from comfy.patcher_extension import WrapperExecutor, WrappersMP, get_all_wrappers
 
-    from core.test_models import synthetic_conditioning
+    from core.test_models import synthetic_conditioning_for
 
     mm.load_models_gpu([model])
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1, 16, hw, hw, generator=g)
-    pos = synthetic_conditioning("tiny", text_len=text_len)
+    pos = synthetic_conditioning_for(model.model.diffusion_model, text_len)
     ctx, extra = pos[0]
     bm = model.model
     executor = WrapperExecutor.new_class_executor(bm._apply_model, bm, get_all_wrappers(
