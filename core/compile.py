@@ -256,6 +256,13 @@ class CompiledFlux(torch.nn.Module):
             raise FluxAccelError(
                 f"The compiled FLUX model runs the whole model as one graph and would ignore per-block patches: "
                 f"{', '.join(extra)}. Apply the node that adds them after removing Compile (FluxAccel), or bypass it.")
+        if self.regions is not None and kwargs.get("ref_latents") is not None and \
+                kwargs.get("ref_latents_method") == "index_timestep_zero":
+            # ComfyUI 0.33 then modulates the reference tokens per block (modulation_dims), which the block
+            # regions' replacement table does not pass: refuse rather than compute without it
+            raise FluxAccelError("The compiled FLUX model's block_regions cannot run reference latents with "
+                                 "ref_latents_method 'index_timestep_zero' (per-token modulation inside the blocks). "
+                                 "Turn block_regions off on the Compile node (FluxAccel) for this workflow.")
         key = shape_key(x, context)
         if not self.allow_shape(key):
             self.stats.eager_calls += 1

@@ -170,3 +170,30 @@ def write_scaled_fp8_file(path: str | os.PathLike, bf16_file: str | os.PathLike)
     os.replace(tmp, path)
     log.info("wrote scaled-FP8 FLUX (%d layers) to %s", len(layers), path)
     return path
+
+
+LORA_TARGETS = ("double_blocks.0.img_attn.qkv", "double_blocks.0.img_mlp.0", "single_blocks.0.linear1",
+                "single_blocks.0.linear2")
+
+
+def write_lora_file(path: str | os.PathLike, flux_file: str | os.PathLike, targets=LORA_TARGETS) -> Path:
+    """A rank-4 LoRA in ComfyUI's generic format (diffusion_model.<layer>.lora_up/lora_down) for a FLUX file, strong
+    enough to change its output clearly (entries of up @ down have ~2x the weight's spread)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if path.exists():
+        return path
+    g = torch.Generator().manual_seed(7)
+    sd = {}
+    with safe_open(str(flux_file), "pt") as f:
+        for name in targets:
+            w = f.get_tensor(f"{name}.weight").float()
+            rank = 4
+            s = (2 * w.std() / rank ** 0.5) ** 0.5
+            sd[f"diffusion_model.{name}.lora_up.weight"] = (torch.randn(w.shape[0], rank, generator=g) * s).bfloat16()
+            sd[f"diffusion_model.{name}.lora_down.weight"] = (torch.randn(rank, w.shape[1], generator=g) * s).bfloat16()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path))
+    return path

@@ -9,6 +9,7 @@ Cases (issue: reliability, items 4, 5 and 7):
   interrupt     /interrupt during sampling; the next prompt equals the reference, with the captured graphs
   free_reload   /free unloads the model; the rerun equals the reference
   branch_isolation  the loaded model without our nodes, after ours ran: equals its own earlier result
+  lora_before_quantize  LoraLoaderModelOnly -> Quantize FP8 -> Compile within FP8 tolerance of the eager LoRA'd model
   vram_50       N consecutive prompts (new seed each): allocated VRAM and host RSS grow < 2 % after the first 3
 """
 from __future__ import annotations
@@ -58,6 +59,18 @@ def plain_prompt(seed: int, steps: int, size: int, text_length: int, tag: str, l
     return p
 
 
+LORA = "fluxaccel-test-lora.safetensors"
+
+
+def lora_prompt(seed: int, steps: int, size: int, text_length: int, tag: str, fluxaccel: bool) -> dict:
+    """LoraLoaderModelOnly on the loaded model, then (fluxaccel) Quantize FP8 -> Compile, -> KSampler."""
+    p = prompt(seed, steps, size, text_length, tag) if fluxaccel else plain_prompt(seed, steps, size, text_length, tag)
+    p["8"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": LORA,
+                                                              "strength_model": 1.0}}
+    p["4" if fluxaccel else "6"]["inputs"]["model"] = ["8", 0]
+    return p
+
+
 def sampled(hist: dict) -> bool:
     """The KSampler ran in this prompt (was not served from ComfyUI's node cache)."""
     return "6" not in ComfyServer.cached_nodes(hist)
@@ -88,7 +101,10 @@ def main(argv=None) -> int:
     from core.test_models import write_flux_file
 
     models = Path(a.models_dir)
-    write_flux_file(models / "diffusion_models" / UNET, "e2e", device="cuda" if gpu else "cpu")
+    flux_file = write_flux_file(models / "diffusion_models" / UNET, "e2e", device="cuda" if gpu else "cpu")
+    from core.test_models import write_lora_file
+
+    write_lora_file(models / "loras" / LORA, flux_file)
     args, env = (a.server_arg, {}) if gpu else (list(host.CPU_SERVER_ARGS), {"FLUXACCEL_ALLOW_CPU_FP8": "1"})
     cases: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="fluxaccel-rel-") as work:
@@ -145,6 +161,14 @@ def main(argv=None) -> int:
                                          "plain_after_fluxaccel_rel_diff": rel(after, plain_rep),
                                          "fluxaccel_vs_plain_rel_diff": rel(ref, plain_ref),
                                          "fluxaccel_differs_from_plain": differs, "passed": again and equal and differs}
+
+            # LoRA before Quantize FP8: merged into the FP8 weights (the delegate's patches on 0.33), within FP8
+            # tolerance of the eager LoRA'd model, and clearly not the model without it
+            lora_eager = srv.saved_latent(srv.run(lora_prompt(1, steps, size, text_length, "lora", False)), "7")
+            lora_ours = srv.saved_latent(srv.run(lora_prompt(1, steps, size, text_length, "lora-fp8", True)), "7")
+            e_lora, e_without = rel(lora_ours, lora_eager), rel(lora_ours, ref)
+            cases["lora_before_quantize"] = {"rel_diff_vs_eager_lora": e_lora, "rel_diff_vs_no_lora": e_without,
+                                             "passed": e_lora < 0.08 and e_without > 4 * e_lora}
 
             # N prompts with new seeds: memory after each
             vram, host_rss, t0 = [], [], time.perf_counter()

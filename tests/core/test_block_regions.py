@@ -132,3 +132,15 @@ def test_subclass_fp8_layout_compiles_without_regions(tiny_flux, cpu_fp8, caplog
     assert label(model) == "fp8-per_row+compile+graphs"
     ref = _denoise_once(q)
     assert rel_err(_denoise_once(model), ref) < 2e-2  # it runs (the region path would raise inside torch)
+
+
+def test_reference_latents_with_per_token_modulation_are_refused(tiny_flux):
+    """ComfyUI 0.33's index_timestep_zero reference latents modulate tokens inside each block (modulation_dims):
+    the regions' replacement would not pass that on, so the compiled call refuses instead of computing without it."""
+    from core.errors import FluxAccelError
+
+    _, compiled = apply_compile(tiny_flux, CompileConfig(block_regions=True))
+    x, t, ctx, y, guidance = flux_inputs(tiny_flux.model.diffusion_model)
+    with pytest.raises(FluxAccelError, match="block_regions.*index_timestep_zero.*Turn block_regions off"):
+        compiled(x, t, context=ctx, y=y, guidance=guidance, ref_latents=[x], ref_latents_method="index_timestep_zero")
+    assert compiled.stats.calls == 0

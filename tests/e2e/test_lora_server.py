@@ -18,26 +18,9 @@ FP8_TOL = 0.08  # FP8 e4m3 on the whole model, as in tests/core/test_fp8_patch.p
 
 @pytest.fixture(scope="module")
 def lora_file(e2e_model_file):
-    """A rank-4 LoRA in ComfyUI's generic format (diffusion_model.<layer>.lora_up/lora_down) for the e2e model,
-    strong enough to change its output clearly."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    from core.test_models import write_lora_file
 
-    path = MODELS_DIR / "loras" / LORA
-    if path.exists():
-        return path
-    g = torch.Generator().manual_seed(7)
-    sd = {}
-    with safe_open(str(e2e_model_file), "pt") as f:
-        for name in TARGETS:
-            w = f.get_tensor(f"{name}.weight").float()
-            rank = 4
-            s = (2 * w.std() / rank ** 0.5) ** 0.5  # entries of up @ down then have ~2x the weight's spread
-            sd[f"diffusion_model.{name}.lora_up.weight"] = (torch.randn(w.shape[0], rank, generator=g) * s).bfloat16()
-            sd[f"diffusion_model.{name}.lora_down.weight"] = (torch.randn(rank, w.shape[1], generator=g) * s).bfloat16()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(sd, str(path))
-    return path
+    return write_lora_file(MODELS_DIR / "loras" / LORA, e2e_model_file, TARGETS)
 
 
 def _prompt(order: list[str], strength: float = 1.0, seed: int = 3) -> dict:
