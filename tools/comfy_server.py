@@ -179,8 +179,15 @@ class ComfyServer:
         with open(f"/proc/{self.proc.pid}/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
-    def free(self, unload_models: bool = True, free_memory: bool = True) -> None:
+    def free(self, unload_models: bool = True, free_memory: bool = True, settle: bool = True) -> None:
+        """POST /free. ComfyUI's prompt worker reads these flags only after it has executed the next queue item, so
+        an idle server would run the next prompt before freeing anything: with settle, a tiny prompt goes first
+        and the flags are in effect (models unloaded, caches reset) for whatever is queued after it."""
         self.post("/free", {"unload_models": unload_models, "free_memory": free_memory})
+        if settle:
+            self.run({"1": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+                      "2": {"class_type": "SaveLatent", "inputs": {"samples": ["1", 0],
+                                                                   "filename_prefix": "fluxaccel-free-settle"}}})
 
     def interrupt(self) -> None:
         self.post("/interrupt", {})
