@@ -1,4 +1,4 @@
-// Drives the real ComfyUI editor (the frontend ComfyUI 0.3.75 pins) in Debian's headless Chromium against a
+// Drives the real ComfyUI editor (the frontend the host pins: 1.49 for ComfyUI 0.33, 1.32 for 0.3.75) in Debian's headless Chromium against a
 // ComfyUI server with FluxAccel on 127.0.0.1. Run by tests/e2e/test_browser.py, which asserts on the JSON this
 // prints last. Env: COMFY_URL, E2E_UNET (a FLUX file the server's UNETLoader lists), ARTIFACTS (screenshots),
 // CHROMIUM (default /usr/bin/chromium).
@@ -47,7 +47,11 @@ try {
       .filter(([k]) => k.startsWith("FluxAccel")).map(([k, v]) => [k, v.category])));
   // a double click on empty canvas opens the search box; on a loaded machine it can take a while to appear, or a
   // late dialog can swallow the click, so wait for the box itself and try again (Escape closes whatever is open)
-  const searchInput = page.locator(".comfy-vue-node-search-container input").first();
+  // the v1 search box (frontend 1.32, ComfyUI 0.3.75) or the default one of frontend 1.49 (ComfyUI 0.33: an input
+  // above the #results-list listbox)
+  const searchInput = page.locator(
+    ".comfy-vue-node-search-container input, [role=dialog]:has(#results-list) input, input[aria-controls=results-list]",
+  ).first();
   for (let attempt = 1; attempt <= 4 && !(await searchInput.isVisible()); attempt++) {
     await page.keyboard.press("Escape");
     await page.locator("#graph-canvas").dblclick({ position: { x: 1100, y: 600 } });
