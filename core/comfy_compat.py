@@ -101,7 +101,9 @@ def linear_like(mod) -> bool:
 
 def checkpoint_format(mod) -> str:
     """How a checkpoint stored this Linear's weight: e.g. 'float8_e4m3fn (TensorCoreFP8E4M3Layout)'."""
-    fmt = getattr(mod, "quant_format", None) or "quantized"
+    qdata = getattr(getattr(mod, "weight", None), "_qdata", None)  # 0.3.75 keeps no quant_format on the module
+    fmt = getattr(mod, "quant_format", None) or (str(qdata.dtype).replace("torch.", "") if qdata is not None
+                                                 else "quantized")
     layout = getattr(mod, "layout_type", None)
     return f"{fmt} ({layout})" if layout else fmt
 

@@ -130,7 +130,10 @@ def _as_selected(mod):
 
 def _stored_bytes(lin) -> int:
     w = lin.weight
-    return int(w.nbytes) if is_checkpoint_quantized(w) else linear_weight_bytes(lin)
+    if not is_checkpoint_quantized(w):
+        return linear_weight_bytes(lin)
+    q = w._qdata  # the stored data (comfy-kitchen's and 0.3.75's QuantizedTensor both keep it there)
+    return q.numel() * q.element_size()
 
 
 def _dequantized_linear(model, lin, name, device, compute_dtype):
@@ -239,7 +242,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     require_compatible(model, dm, node, quantized_ok=True)
 
     originals = original_linears(model)
-    require_bf16_weights(originals.values(), node)
+    require_bf16_weights([m for m in originals.values() if not is_checkpoint_quantized(m.weight)], node)
     compute_dtype = getattr(model.model, "manual_cast_dtype", None)
     sel = select_linears(((n, _as_selected(m)) for n, m in originals.items()), cfg)
 

@@ -41,7 +41,9 @@ def test_comfyui_loads_the_file_as_quantized_tensors(files):
     qkv = dm.double_blocks[0].img_attn.qkv
     assert comfy_compat.is_checkpoint_quantized(qkv.weight) and comfy_compat.linear_like(qkv)
     assert not isinstance(qkv, torch.nn.Linear)  # MixedPrecisionOps' own Linear
-    assert comfy_compat.checkpoint_format(qkv) == "float8_e4m3fn (TensorCoreFP8E4M3Layout)"
+    # the layout's name differs: TensorCoreFP8E4M3Layout on 0.33, TensorCoreFP8Layout on 0.3.75
+    assert comfy_compat.checkpoint_format(qkv) in ("float8_e4m3fn (TensorCoreFP8E4M3Layout)",
+                                                   "float8_e4m3fn (TensorCoreFP8Layout)")
     assert not comfy_compat.is_checkpoint_quantized(dm.final_layer.linear.weight)
 
 
@@ -49,7 +51,8 @@ def test_comfyui_loads_the_file_as_quantized_tensors(files):
 def test_quantize_requantizes_and_reports(cpu_fp8, files, granularity):
     bf16, scaled = load(files[0]), load(files[1])
     q, report = apply_fp8(scaled, Fp8Config(granularity=granularity))
-    assert report.requantized == {"float8_e4m3fn (TensorCoreFP8E4M3Layout)": 10}
+    fmt = comfy_compat.checkpoint_format(scaled.model.diffusion_model.double_blocks[0].img_attn.qkv)
+    assert report.requantized == {fmt: 10}
     assert sorted(report.dequantized) == sorted(["img_in", "txt_in", "double_blocks.0.img_mod.lin",
                                                  "double_blocks.0.txt_mod.lin", "single_blocks.0.modulation.lin"])
     text = report.summary()
