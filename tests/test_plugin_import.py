@@ -15,8 +15,9 @@ SCRIPT = textwrap.dedent(r"""
                     raise ImportError(f"No module named {{name!r}} (blocked by the test)")
         sys.meta_path.insert(0, Block())
     sys.path.insert(0, {root!r}); sys.path.insert(0, {comfy!r})
+    from pathlib import Path
     from tools import host
-    host.import_comfy()
+    host.import_comfy(Path({comfy!r}))  # the host under test (this environment has no FLUXACCEL_COMFYUI)
     import nodes, torch
     asyncio.run(nodes.load_custom_node({plugin!r}))
     ours = sorted(k for k in nodes.NODE_CLASS_MAPPINGS if k.startswith("FluxAccel"))
