@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from .errors import FluxAccelError
 
 log = logging.getLogger("fluxaccel.compat")
@@ -75,13 +77,7 @@ def quantized_tensor_class():
         from comfy.quant_ops import QuantizedTensor
     except ImportError:
         return None
-    return QuantizedTensor if isinstance(QuantizedTensor, type) and issubclass(QuantizedTensor, _torch().Tensor) else None
-
-
-def _torch():
-    import torch
-
-    return torch
+    return QuantizedTensor if isinstance(QuantizedTensor, type) and issubclass(QuantizedTensor, torch.Tensor) else None
 
 
 def is_checkpoint_quantized(t) -> bool:
@@ -91,7 +87,6 @@ def is_checkpoint_quantized(t) -> bool:
 
 def linear_like(mod) -> bool:
     """An nn.Linear, or a Linear of ComfyUI's MixedPrecisionOps (not an nn.Linear; a 2-D weight, maybe quantized)."""
-    torch = _torch()
     if isinstance(mod, torch.nn.Linear):
         return True
     w = getattr(mod, "weight", None)
@@ -110,8 +105,6 @@ def checkpoint_format(mod) -> str:
 
 def kitchen_quantized(dm) -> list[str]:
     """Parameters held as a tensor subclass other than torchao's (e.g. ComfyUI's QuantizedTensor)."""
-    import torch
-
     out = []
     for name, p in dm.named_parameters():
         cls = type(p.data) if isinstance(p, torch.nn.Parameter) else type(p)

@@ -106,7 +106,7 @@ def original_linears(model) -> dict[str, torch.nn.Linear]:
     return out
 
 
-def _plain_linear(mod, device, cast: bool = False) -> torch.nn.Linear:
+def _plain_linear(mod, cast: bool = False) -> torch.nn.Linear:
     """An empty ComfyUI Linear (the class a bf16 checkpoint loads; with cast, the manual-cast one that casts its
     weight to the activation dtype per call) standing in for a MixedPrecisionOps Linear; its weight and bias are set
     from the dequantized tensors."""
@@ -143,7 +143,7 @@ def _dequantized_linear(model, lin, name, device, compute_dtype):
 
     params, merged = _as_this_clone_runs(model, lin, name, device)
     # the model computes in its manual-cast dtype (e.g. float32 on a CPU): then cast the bf16 weight per call
-    new = _detached_copy(_plain_linear(lin, device, cast=compute_dtype is not None), device, None, params)
+    new = _detached_copy(_plain_linear(lin, cast=compute_dtype is not None), device, None, params)
     return new, merged
 
 
@@ -260,7 +260,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
         report.merged_patches += merged_keys
         # quantize on the GPU (fast), then park the FP8 copy where ComfyUI keeps unloaded weights: the GPU
         # then holds only what ComfyUI itself loads (and accounts for), e.g. not two FP8 variants at once.
-        base = lin if isinstance(lin, torch.nn.Linear) else _plain_linear(lin, device)
+        base = lin if isinstance(lin, torch.nn.Linear) else _plain_linear(lin)
         q = quantize_linear(base, cfg, device, compute_dtype, params).to(model.offload_device)
         key = f"diffusion_model.{name}"
         clone.add_object_patch(key, q)
