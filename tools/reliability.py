@@ -8,6 +8,8 @@ Compile + CUDA Graph (strict) -> KSampler, 512x512 and 256 tokens on a GPU (64x6
 Cases (issue: reliability, items 4, 5 and 7):
   interrupt     /interrupt during sampling; the next prompt equals the reference, with the captured graphs
   free_reload   /free unloads the model; the rerun equals the reference
+  unload_keep_cache  /free unloads the model but keeps the node cache: the same compiled model on reloaded weights
+                     (CUDA graphs captured again) equals a fresh compile's result
   branch_isolation  the loaded model without our nodes, after ours ran: equals its own earlier result
   lora_before_quantize  LoraLoaderModelOnly -> Quantize FP8 -> Compile within FP8 tolerance of the eager LoRA'd model
   vram_50       N consecutive prompts (new seed each): allocated VRAM and host RSS grow < 2 % after the first 3
@@ -140,12 +142,26 @@ def main(argv=None) -> int:
             cases["interrupt"] = {"interrupted": interrupted, "sampled_again": again, "equal_to_reference": equal,
                                   "passed": interrupted and again and equal}
 
+            # unload the model but keep the node cache: the next prompt runs the *same* compiled model on weights
+            # reloaded at new addresses (a captured CUDA graph must be captured again, graph_capture.py); compared
+            # below with the same seed on a freshly compiled model
+            srv.free(unload_models=True, free_memory=False)
+            hist = srv.run(prompt(5, steps, size, text_length, "after-unload"))
+            unload_sampled, after_unload = sampled(hist), srv.saved_latent(hist, "7")
+            log_text = srv.log_path.read_text(errors="replace")
+            recaptured = "capturing its CUDA graph again" in log_text
+
             # unload the model, then the same prompt on the reloaded model. ComfyUI keeps its node cache across
             # /free, so an equivalent empty-latent node (the same zeros for FLUX) makes the KSampler run again.
             srv.free(unload_models=True, free_memory=True)
             hist = srv.run(prompt(1, steps, size, text_length, "after-free", latent_node="EmptyLatentImage"))
             again, equal = sampled(hist), bool(torch.equal(srv.saved_latent(hist, "7"), ref))
             cases["free_reload"] = {"sampled_again": again, "equal_to_reference": equal, "passed": again and equal}
+            fresh = srv.saved_latent(srv.run(prompt(5, steps, size, text_length, "fresh-5",
+                                                    latent_node="EmptyLatentImage")), "7")
+            equal = bool(torch.equal(after_unload, fresh))
+            cases["unload_keep_cache"] = {"sampled": unload_sampled, "equal_to_fresh_compile": equal,
+                                          "recapture_logged": recaptured, "passed": unload_sampled and equal}
 
             # the loaded model without our nodes, after ours ran on it (on 0.33: dynamic VRAM, ours on its delegate)
             hist = srv.run(plain_prompt(1, steps, size, text_length, "plain-again", latent_node="EmptyLatentImage"))
