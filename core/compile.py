@@ -6,9 +6,7 @@ Recipe, in order (each step's why):
   2. compile the *whole* diffusion model, dynamic=False -- one graph per shape; per-block (regional) compile
      with CUDA graphs overwrites block outputs between replays. With block_regions the repeated FLUX blocks are
      nested compile regions inside that one graph (block_regions.py): each kind compiled once, reused 19/38 times
-  3. capture CUDA graphs -- removes per-kernel launch overhead: inductor's cudagraph trees under PyTorch's native
-     allocator, one torch.cuda.CUDAGraph per shape around the compiled call under cudaMallocAsync (ComfyUI's
-     default; inductor's trees do not work there): graph_capture.py
+  3. capture CUDA graphs (inductor's cudagraph trees) -- removes per-kernel launch overhead
   4. warm up at every shape the workflow uses (Warmup node) -- compile/capture before the first real prompt
 """
 from __future__ import annotations
@@ -54,15 +52,14 @@ class CompileConfig:
                 raise FluxAccelError(f"block_regions needs torch.compiler.nested_compile_region (torch 2.8 or newer); "
                                      f"this is torch {torch.__version__}. Turn block_regions off.")
 
-    def inductor_options(self, device: torch.device, trees: bool = True) -> dict:
+    def inductor_options(self, device: torch.device) -> dict:
         """Options passed to this torch.compile call only (no process-wide inductor/dynamo config changes).
 
         torch.compile takes either mode or options; a mode is expanded to its options so that CUDA graphs can be
-        switched on or off on top of it. Graphs are CUDA-only: on other devices the option is left off. trees=False:
-        the graphs are captured around the compiled call instead (graph_capture.py), not by inductor.
+        switched on or off on top of it. Graphs are CUDA-only: on other devices the option is left off.
         """
         opts = dict(torch._inductor.list_mode_options(self.mode, dynamic=False)) if self.mode != "default" else {}
-        opts["triton.cudagraphs"] = bool(trees and self.cuda_graphs and torch.device(device).type == "cuda")
+        opts["triton.cudagraphs"] = bool(self.cuda_graphs and torch.device(device).type == "cuda")
         # Round bf16 intermediates as eager does. Without it inductor keeps e.g. guidance * 1000 in float32 (3500)
         # where eager rounds it to bf16 (3504): FLUX's sinusoidal embeddings turn that into a different output
         # (35 % relative error on the tiny test model, 0.7 % with this option).
@@ -173,10 +170,7 @@ class CompiledFlux(torch.nn.Module):
     """Stands in for BaseModel.diffusion_model during apply_model: checks the shape contract, marks a new
     CUDA-graph step, runs the compiled whole model, and returns an output the sampler may keep."""
 
-    def __init__(self, dm: torch.nn.Module, cfg: CompileConfig, device: torch.device, variant: str = "",
-                 capture: bool = False):
-        """capture: CUDA graphs by torch.cuda.CUDAGraph around the compiled call (graph_capture.py) rather than by
-        inductor's cudagraph trees -- what works under cudaMallocAsync (compile_patch.py decides)."""
+    def __init__(self, dm: torch.nn.Module, cfg: CompileConfig, device: torch.device, variant: str = ""):
         super().__init__()
         # held outside _modules: the live diffusion model must not appear twice in the module tree
         object.__setattr__(self, "_dm", dm)
@@ -195,15 +189,8 @@ class CompiledFlux(torch.nn.Module):
 
             self.cache = CompileCache(cache_key(dm, cfg, self.device, variant))
             self.stats.cache_loaded = self.cache.load()
-        capture = bool(capture and cfg.cuda_graphs and self.device.type == "cuda")
         object.__setattr__(self, "_compiled", torch.compile(dm, backend="inductor", dynamic=False, fullgraph=False,
-                                                            options=cfg.inductor_options(self.device,
-                                                                                         trees=not capture)))
-        self.captured = None
-        if capture:
-            from .graph_capture import CapturedGraphs
-
-            self.captured = CapturedGraphs(self._compiled, dm)
+                                                            options=cfg.inductor_options(self.device)))
 
     def __getattr__(self, name):
         # BaseModel reads attributes of its diffusion_model (dtype, ...) while we stand in for it
@@ -214,25 +201,12 @@ class CompiledFlux(torch.nn.Module):
 
     @property
     def graphs(self) -> bool:
-        """Inductor's cudagraph trees are in use: a step mark before each call, a copy of each output."""
-        return self.cfg.cuda_graphs and self.captured is None
-
-    @property
-    def graph_mode(self) -> str:
-        """'trees' (inductor's cudagraph trees), 'captured' (graph_capture.py) or 'off'."""
-        if not self.graphs_active:
-            return "off"
-        return "captured" if self.captured is not None else "trees"
+        return self.cfg.cuda_graphs
 
     @property
     def graphs_active(self) -> bool:
         """CUDA graphs asked for and possible here (they are CUDA-only; on the CPU the option is ignored)."""
         return self.cfg.cuda_graphs and self.device.type == "cuda"
-
-    def graphs_working(self) -> bool:
-        """Graphs are on and nothing fell back: no inductor graph skip, no failed capture."""
-        failed = self.captured is not None and self.captured.stats.failed
-        return self.graphs_active and not self.stats.graph_skips and not failed
 
     def register_shape(self, key: ShapeKey) -> None:
         """Allow a shape explicitly (the Warmup node), whatever the resolution policy; bounded by max_shapes."""
@@ -306,15 +280,9 @@ class CompiledFlux(torch.nn.Module):
             # which is safe because we return a copy below.
             torch.compiler.cudagraph_mark_step_begin()
             self.stats.marks += 1
-        run = self._compiled if self.captured is None else self.captured
-        failed_before = len(self.captured.stats.failed) if self.captured is not None else 0
         with torch_rope():  # plain-torch RoPE, fused by inductor (ComfyUI 0.33's is an opaque kitchen op: rope.py)
-            out = run(x, timestep, context=context,
-                      transformer_options=call_options(transformer_options, self.regions), **kwargs)
-        if self.captured is not None and len(self.captured.stats.failed) != failed_before:
-            self.stats.graphs_off_reason = "capture failed: " + next(reversed(self.captured.stats.failed.values()))
-            if self.on_compiled is not None:
-                self.on_compiled(self)  # the badge turns to "graphs off"
+            out = self._compiled(x, timestep, context=context,
+                                 transformer_options=call_options(transformer_options, self.regions), **kwargs)
         if self.graphs:
             out = out.clone()  # the sampler keeps outputs across steps; graph-owned memory is reused on replay
         self.stats.calls += 1
@@ -331,7 +299,7 @@ class CompiledFlux(torch.nn.Module):
                                               if v - phases_before[k] > 0}
             log.info("FluxAccel: compiled %s in %.1f s", key.describe(), self.stats.compile_seconds[key])
             skipped = cudagraph_skips() - skips_before
-            if skipped and self.graph_mode == "trees":
+            if skipped and self.graphs_active:
                 # inductor fell back to running (part of) the graph without CUDA graphs: correct, but slower
                 self.stats.graph_skips[key] = skipped
                 log.warning("FluxAccel: inductor skipped CUDA graphs %d time(s) while compiling %s; this shape runs "

@@ -57,15 +57,20 @@ def regional_compiles(model) -> list[str]:
     return found
 
 
-def needs_capture(device: torch.device) -> bool:
-    """True where inductor's cudagraph trees cannot run and the graphs are captured around the compiled call
-    instead (graph_capture.py): PyTorch's cudaMallocAsync allocator, ComfyUI's default."""
-    if torch.device(device).type != "cuda":
-        return False
+def cuda_graph_blockers(device: torch.device) -> list[str]:
+    """Process settings under which CUDA graphs cannot be used, with the launch flag that fixes each."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return []
+    out = []
     try:
-        return torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+        backend = torch.cuda.get_allocator_backend()
     except (AttributeError, RuntimeError):
-        return False
+        backend = "native"
+    if backend == "cudaMallocAsync":
+        out.append("ComfyUI runs PyTorch's cudaMallocAsync allocator (its default), which inductor's CUDA-graph "
+                   "trees do not support; start ComfyUI with --disable-cuda-malloc to use CUDA graphs")
+    return out
 
 
 def _swap_in_factory(compiled: CompiledFlux):
@@ -119,10 +124,15 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
                         "layout 'plain' on Quantize FP8 to keep block_regions.", node)
             cfg = dataclasses.replace(cfg, block_regions=False)
     device = torch.device(model.load_device)
-    capture = bool(cfg.cuda_graphs and needs_capture(device))
-    if capture:
-        log.info("FluxAccel: %s captures CUDA graphs around the compiled call (PyTorch's cudaMallocAsync allocator, "
-                 "ComfyUI's default, has no inductor cudagraph trees)", node)
+    graphs_off = ""
+    if cfg.cuda_graphs:
+        blockers = cuda_graph_blockers(device)
+        if blockers:
+            # compiled without graphs, and said so: in the log (once per Compile node run), the model's stats,
+            # its label and the editor badge
+            graphs_off = "; ".join(blockers)
+            log.warning("FluxAccel: %s compiles without CUDA graphs: %s", node, graphs_off)
+            cfg = dataclasses.replace(cfg, cuda_graphs=False)
     clone = model.clone()
     wt = _apply_model_type()
     clone.remove_wrappers_with_key(wt, COMPILE_KEY)
@@ -130,7 +140,8 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
         log.info("FluxAccel: replacing ComfyUI's whole-model torch.compile wrapper with FluxAccel's")
         clone.remove_wrappers_with_key(wt, COMFY_COMPILE_KEY)
         clone.model_options.pop("torch_compile_kwargs", None)
-    compiled = CompiledFlux(dm, cfg, device, variant=_variant(model), capture=capture)
+    compiled = CompiledFlux(dm, cfg, device, variant=_variant(model))
+    compiled.stats.graphs_off_reason = graphs_off
     clone.add_wrapper_with_key(wt, COMPILE_KEY, _swap_in_factory(compiled))
     clone.add_callback_with_key(on_load_callback_type(), COMPILE_KEY, partial_load_guard(node))
     return clone, compiled

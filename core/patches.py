@@ -40,16 +40,9 @@ def describe(model) -> dict:
                           "compile_phases_s": {k.describe(): v for k, v in st.compile_phases.items()},
                           "calls": st.calls, "graph_step_marks": st.marks, "eager_calls": st.eager_calls,
                           "cache_loaded": st.cache_loaded, "graph_skips": sum(st.graph_skips.values()),
-                          "graphs_off_reason": st.graphs_off_reason, "graph_mode": c.graph_mode,
-                          **(_capture_stats(c.captured) if c.captured is not None else {}),
+                          "graphs_off_reason": st.graphs_off_reason,
                           **st.call_timings()}
     return out
-
-
-def _capture_stats(captured) -> dict:
-    cs = captured.stats
-    return {"graph_captures": cs.captures, "graph_recaptures": cs.recaptures, "graph_replays": cs.replays,
-            "ungraphed_calls": cs.ungraphed_calls, "graph_capture_failures": list(cs.failed.values())}
 
 
 def strip(model):

@@ -20,10 +20,9 @@ class Compile(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="A FLUX.1 model, optionally FP8-quantized by FluxAccel."),
                 io.Boolean.Input("cuda_graphs", default=True,
-                                 tooltip="Capture CUDA graphs (removes kernel-launch overhead): inductor's graph "
-                                         "trees, or under ComfyUI's default cudaMallocAsync allocator one captured "
-                                         "graph per shape around the compiled call (from its second call on). A "
-                                         "capture that fails is shown here, in the log and on the badge."),
+                                 tooltip="Capture CUDA graphs (removes kernel-launch overhead). Needs ComfyUI started "
+                                         "with --disable-cuda-malloc: under ComfyUI's default allocator the model "
+                                         "compiles without graphs and says so here and on the badge."),
                 io.Combo.Input("mode", options=list(MODES), default="default",
                                tooltip="default: fast compile. max-autotune(-no-cudagraphs): benchmark GEMM/kernel "
                                        "choices at compile time (much longer first run)."),
@@ -63,7 +62,6 @@ class Compile(io.ComfyNode):
         clone, compiled = apply_compile(model, cfg)
         compiled.on_compiled = compiled_notifier(cls.hidden.unique_id)
         text = f"compile on first use: {compiled.cfg}"
-        if compiled.captured is not None:
-            text += "\nCUDA graphs: captured around the compiled call (cudaMallocAsync allocator), from each shape's " \
-                    "second call"
+        if compiled.stats.graphs_off_reason:
+            text += f"\nCUDA graphs off: {compiled.stats.graphs_off_reason}"
         return io.NodeOutput(clone, ui=ui.PreviewText(text))

@@ -1,0 +1,167 @@
+"""Probe (GPU): can FluxAccel's compiled FLUX call (inductor, without its cudagraph trees) be captured with a plain
+torch.cuda.CUDAGraph under PyTorch's cudaMallocAsync allocator, ComfyUI 0.33's default -- the way core 0.33 captures
+its own per-block graphs (comfy/model_prefetch.py)? The probe wraps the compiled call: first call uncaptured,
+second captured (thread-local mode), later ones replayed. Each variant runs in its own process (a failed capture
+under cudaMallocAsync can abort the process) with the FLUX-width e2e model (1 double + 1 single block), FP8 per-row
+plain blocks+modulation, no block regions, latent 128x128 (1024²), 512 text tokens:
+
+    source .gpu033/setup-on-device.sh; python3 bench/probes/graph_capture.py --out $OUT
+
+Per variant: whether the capture worked, dynamo graphs made during each call, outputs of captured replays vs the
+uncaptured compiled call (bit-identical expected), and host/device ms per call.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+VARIANTS = {
+    "default": {},
+    "no-static-launcher": {"use_static_cuda_launcher": False},
+    "forced-failure": {},  # a host sync inside the captured call: the capture must fail without killing the process
+}
+
+
+class Capture:
+    """The compiled call: uncaptured first, captured into a torch.cuda.CUDAGraph second, replayed after."""
+
+    def __init__(self, fn, sync_inside=False):
+        self.fn, self.sync_inside = fn, sync_inside
+        self.calls, self.replays, self.graph, self.failed, self.keep = 0, 0, None, None, []
+
+    def __call__(self, x, timestep, **kw):
+        import torch
+
+        self.calls += 1
+        if self.calls == 1 or self.failed:
+            return self.fn(x, timestep, **kw)
+        if self.graph is None:
+            self.static = (x.clone(), timestep.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                                         for k, v in kw.items()})
+            g = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            try:
+                with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                    if self.sync_inside:
+                        torch.cuda.synchronize()
+                    self.out = self.fn(self.static[0], self.static[1], **self.static[2])
+            except Exception as e:
+                self.failed = f"{type(e).__name__}: {e}"[:300]
+                self.keep.append((e, g))  # freeing the capture's tensors uncaptured aborts the process
+                return self.fn(x, timestep, **kw)
+            self.graph = g
+        else:
+            self.static[0].copy_(x)
+            self.static[1].copy_(timestep)
+            for k, v in kw.items():
+                if isinstance(v, torch.Tensor):
+                    self.static[2][k].copy_(v)
+        self.graph.replay()
+        self.replays += 1
+        return self.out.clone()
+
+
+def child(variant: str) -> dict:
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from tools import host
+
+    host.import_comfy(Path(os.environ["COMFYUI_DIR"]))
+    import comfy.model_management as mm
+    from torch._dynamo.utils import counters
+
+    import core.compile as cc
+    from core.compile import CompileConfig
+    from core.compile_patch import apply_compile
+    from core.fp8 import Fp8Config
+    from core.fp8_patch import apply_fp8
+    from core.test_models import build_flux, synthetic_conditioning_for
+
+    extra = VARIANTS[variant]
+    orig = cc.CompileConfig.inductor_options
+    cc.CompileConfig.inductor_options = lambda self, device: {**orig(self, device), **extra}
+    out = {"variant": variant, "allocator": torch.cuda.get_allocator_backend(), "torch": torch.__version__}
+    with torch.inference_mode():
+        model = build_flux("e2e", device="cuda")
+        q, _ = apply_fp8(model, Fp8Config(granularity="per_row", scope="blocks+modulation", layout="plain"))
+        clone, c = apply_compile(q, CompileConfig(persistent_cache=False, block_regions=False))
+        out["graphs_off_reason"] = c.stats.graphs_off_reason
+        cap = Capture(c._compiled, sync_inside=variant == "forced-failure")
+        object.__setattr__(c, "_compiled", cap)
+        mm.load_models_gpu([clone])
+        g = torch.Generator(device="cuda").manual_seed(3)
+        x = torch.randn(1, 16, 128, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+        ctx, ex = synthetic_conditioning_for(clone.model.diffusion_model, 512)[0]
+        kw = dict(c_crossattn=ctx.cuda(), y=ex["pooled_output"].cuda(), guidance=torch.tensor([3.5], device="cuda"))
+        from comfy.patcher_extension import WrapperExecutor, WrappersMP, get_all_wrappers
+
+        bm = clone.model
+        wr = get_all_wrappers(WrappersMP.APPLY_MODEL, clone.model_options, is_model_options=True) + \
+            clone.get_all_wrappers(WrappersMP.APPLY_MODEL)
+        calls = []
+        outs = []
+        for i in range(6):
+            graphs_before = counters["stats"]["unique_graphs"]
+            t0 = time.perf_counter()
+            try:
+                o = WrapperExecutor.new_class_executor(bm._apply_model, bm, wr).execute(
+                    x, torch.tensor([0.7], device="cuda"), transformer_options={}, **kw)
+                torch.cuda.synchronize()
+                outs.append(o.float())
+                err = None
+            except Exception as e:
+                err = f"{type(e).__name__}: {e}"[:400]
+            calls.append({"call": i, "seconds": round(time.perf_counter() - t0, 4),
+                          "new_dynamo_graphs": counters["stats"]["unique_graphs"] - graphs_before, "error": err})
+            if err:
+                break
+        out["calls"] = calls
+        out["capture"] = {"captured": cap.graph is not None, "replays": cap.replays, "failed": cap.failed}
+        if len(outs) > 1:
+            out["replays_equal_uncaptured"] = [bool(torch.equal(o, outs[0])) for o in outs[1:]]
+            out["max_rel_diff_vs_uncaptured"] = max(float((o - outs[0]).norm() / outs[0].norm()) for o in outs[1:])
+        out.update(c.stats.call_timings())
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child")
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--timeout", type=float, default=150)
+    a = ap.parse_args()
+    if a.child:
+        print("RESULT " + json.dumps(child(a.child)), flush=True)
+        return 0
+    results = []
+    for v in VARIANTS:
+        try:
+            p = subprocess.run([sys.executable, __file__, "--child", v], capture_output=True, text=True,
+                               timeout=a.timeout)
+            line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            r = json.loads(line[7:]) if line else {"variant": v, "rc": p.returncode,
+                                                   "stderr_tail": p.stderr[-2500:]}
+            if p.returncode:
+                r["rc"] = p.returncode
+                r.setdefault("stderr_tail", p.stderr[-2500:])
+        except subprocess.TimeoutExpired:
+            r = {"variant": v, "timed_out": a.timeout}
+        print("PROBE", json.dumps(r), flush=True)
+        results.append(r)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "nvidia-h200-probe-graph-capture.json").write_text(json.dumps(
+        {"command": "python3 bench/probes/graph_capture.py " + " ".join(sys.argv[1:]), "results": results},
+        indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
