@@ -103,10 +103,14 @@ def checkpoint_format(mod) -> str:
     return f"{fmt} ({layout})" if layout else fmt
 
 
-def kitchen_quantized(dm) -> list[str]:
-    """Parameters held as a tensor subclass other than torchao's (e.g. ComfyUI's QuantizedTensor)."""
+def kitchen_quantized(dm, replaced=()) -> list[str]:
+    """Parameters held as a tensor subclass other than torchao's (e.g. ComfyUI's QuantizedTensor), except those of
+    modules in `replaced` (object-patch keys such as 'diffusion_model.img_in': swapped in at load, e.g. by Quantize
+    FP8, so the stored module never runs)."""
     out = []
     for name, p in dm.named_parameters():
+        if f"diffusion_model.{name.rpartition('.')[0]}" in replaced:
+            continue
         cls = type(p.data) if isinstance(p, torch.nn.Parameter) else type(p)
         if cls is not torch.Tensor and not cls.__module__.startswith("torchao"):
             out.append(f"{name} ({cls.__name__})")
@@ -119,7 +123,7 @@ def require_compatible(model, dm, node: str, quantized_ok: bool = False) -> None
     if is_dynamic(model):
         raise FluxAccelError(f"{node}: internal error: a dynamic-VRAM model reached FluxAccel without its resident "
                              f"copy; start ComfyUI with --disable-dynamic-vram and report this.")
-    kitchen = [] if quantized_ok else kitchen_quantized(dm)
+    kitchen = [] if quantized_ok else kitchen_quantized(dm, replaced=set(model.object_patches))
     if kitchen:
         raise FluxAccelError(
             f"{node}: this model's weights are already quantized by ComfyUI's mixed-precision ops "

@@ -12,6 +12,8 @@ Cases (issue: reliability, items 4, 5 and 7):
                      (CUDA graphs captured again) equals a fresh compile's result
   branch_isolation  the loaded model without our nodes, after ours ran: equals its own earlier result
   lora_before_quantize  LoraLoaderModelOnly -> Quantize FP8 -> Compile within FP8 tolerance of the eager LoRA'd model
+  scaled_fp8_checkpoint  the e2e file in ComfyUI's scaled-FP8 format -> Quantize FP8 -> Compile: close to the bf16
+                     file's eager result
   vram_50       N consecutive prompts (new seed each): allocated VRAM and host RSS grow < 2 % after the first 3
 """
 from __future__ import annotations
@@ -62,6 +64,7 @@ def plain_prompt(seed: int, steps: int, size: int, text_length: int, tag: str, l
 
 
 LORA = "fluxaccel-test-lora.safetensors"
+SCALED_UNET = "fluxaccel-random-e2e-scaled-fp8.safetensors"  # the e2e file in ComfyUI's scaled-FP8 format
 
 
 def lora_prompt(seed: int, steps: int, size: int, text_length: int, tag: str, fluxaccel: bool) -> dict:
@@ -107,6 +110,9 @@ def main(argv=None) -> int:
     from core.test_models import write_lora_file
 
     write_lora_file(models / "loras" / LORA, flux_file)
+    from core.test_models import write_scaled_fp8_file
+
+    write_scaled_fp8_file(models / "diffusion_models" / SCALED_UNET, flux_file)
     args, env = (a.server_arg, {}) if gpu else (list(host.CPU_SERVER_ARGS), {"FLUXACCEL_ALLOW_CPU_FP8": "1"})
     cases: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="fluxaccel-rel-") as work:
@@ -185,6 +191,19 @@ def main(argv=None) -> int:
             e_lora, e_without = rel(lora_ours, lora_eager), rel(lora_ours, ref)
             cases["lora_before_quantize"] = {"rel_diff_vs_eager_lora": e_lora, "rel_diff_vs_no_lora": e_without,
                                              "passed": e_lora < 0.08 and e_without > 4 * e_lora}
+
+            # a scaled-FP8 checkpoint (ComfyUI 0.33's QuantizedTensor weights): Quantize FP8 re-quantizes it, Compile
+            # runs it; compared with the bf16 file's eager result (and the scaled file run eagerly by ComfyUI)
+            def scaled(p):
+                p["1"]["inputs"]["unet_name"] = SCALED_UNET
+                return p
+
+            hist = srv.run(scaled(prompt(1, steps, size, text_length, "scaled-fp8")))
+            ours = srv.saved_latent(hist, "7")
+            theirs = srv.saved_latent(srv.run(scaled(plain_prompt(1, steps, size, text_length, "scaled-eager"))), "7")
+            e_ours, e_core = rel(ours, plain_ref), rel(theirs, plain_ref)
+            cases["scaled_fp8_checkpoint"] = {"rel_diff_vs_bf16_eager": e_ours, "core_scaled_rel_diff_vs_bf16_eager": e_core,
+                                              "sampled": sampled(hist), "passed": sampled(hist) and e_ours < 0.1}
 
             # N prompts with new seeds: memory after each
             vram, host_rss, t0 = [], [], time.perf_counter()

@@ -73,8 +73,10 @@ def test_quantize_requantizes_and_reports(cpu_fp8, files, granularity):
 def test_compile_runs_on_the_requantized_model(cpu_fp8, files):
     scaled = load(files[1])
     q, _ = apply_fp8(scaled, Fp8Config())
-    eager = denoise_once(q, hw=8)
+    # compiled straight after Quantize, before any load, as in a prompt: the live modules are still the
+    # checkpoint's QuantizedTensor ones; the clone's object patches replace them at load
     clone, compiled = apply_compile(q, CompileConfig(block_regions=True))
+    eager = denoise_once(q, hw=8)
     out = denoise_once(clone, hw=8)
     assert compiled.stats.calls == 1 and compiled.stats.eager_calls == 0
     assert rel(out, eager) < 0.02
