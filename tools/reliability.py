@@ -9,7 +9,7 @@ Cases (issue: reliability, items 4, 5 and 7):
   interrupt     /interrupt during sampling; the next prompt equals the reference, with the captured graphs
   free_reload   /free unloads the model; the rerun equals the reference
   unload_keep_cache  /free unloads the model but keeps the node cache: the same compiled model on reloaded weights
-                     (CUDA graphs captured again) equals a fresh compile's result
+                     (CUDA graphs re-recorded) equals a fresh compile's result
   branch_isolation  the loaded model without our nodes, after ours ran: equals its own earlier result
   lora_before_quantize  LoraLoaderModelOnly -> Quantize FP8 -> Compile within FP8 tolerance of the eager LoRA'd model
   scaled_fp8_checkpoint  the e2e file in ComfyUI's scaled-FP8 format -> Quantize FP8 -> Compile: close to the bf16
@@ -149,13 +149,11 @@ def main(argv=None) -> int:
                                   "passed": interrupted and again and equal}
 
             # unload the model but keep the node cache: the next prompt runs the *same* compiled model on weights
-            # reloaded at new addresses (a captured CUDA graph must be captured again, graph_capture.py); compared
+            # reloaded at new addresses (inductor's CUDA graphs must re-record); compared
             # below with the same seed on a freshly compiled model
             srv.free(unload_models=True, free_memory=False)
             hist = srv.run(prompt(5, steps, size, text_length, "after-unload"))
             unload_sampled, after_unload = sampled(hist), srv.saved_latent(hist, "7")
-            log_text = srv.log_path.read_text(errors="replace")
-            recaptured = "capturing its CUDA graph again" in log_text
 
             # unload the model, then the same prompt on the reloaded model. ComfyUI keeps its node cache across
             # /free, so an equivalent empty-latent node (the same zeros for FLUX) makes the KSampler run again.
@@ -167,7 +165,7 @@ def main(argv=None) -> int:
                                                     latent_node="EmptyLatentImage")), "7")
             equal = bool(torch.equal(after_unload, fresh))
             cases["unload_keep_cache"] = {"sampled": unload_sampled, "equal_to_fresh_compile": equal,
-                                          "recapture_logged": recaptured, "passed": unload_sampled and equal}
+                                          "passed": unload_sampled and equal}
 
             # the loaded model without our nodes, after ours ran on it (on 0.33: dynamic VRAM, ours on its delegate)
             hist = srv.run(plain_prompt(1, steps, size, text_length, "plain-again", latent_node="EmptyLatentImage"))
