@@ -152,6 +152,16 @@ def denoiser_outputs(model, case: BenchCase, positive, sigmas=FIDELITY_SIGMAS) -
     return outs
 
 
+def unique_labels(models: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """Rows are keyed by label: a label that repeats gets ' #2', ' #3', ... so no row overwrites another."""
+    seen: dict[str, int] = {}
+    out = []
+    for label, m in models:
+        seen[label] = seen.get(label, 0) + 1
+        out.append((label if seen[label] == 1 else f"{label} #{seen[label]}", m))
+    return out
+
+
 def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negative,
               on_progress: Callable[[str], None] | None = None, on_step: Callable | None = None,
               describe: Callable[[object], dict] | None = None) -> list[BenchRow]:
@@ -163,6 +173,7 @@ def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negat
     import comfy.model_management as mm
 
     say = on_progress or (lambda msg: log.info("%s", msg))
+    models = unique_labels(models)
     dev = models[0][1].load_device
     latent = empty_latent(models[0][1], case)
     first, latents, peaks, skips = {}, {}, {}, {}

@@ -28,3 +28,16 @@ def test_accelerated_first_run_precedes_the_baseline(tiny_flux):
     assert all(math.isfinite(r.first_run_s) and r.first_run_s > 0 for r in rows)
     assert rows[1].speedup_vs_eager == pytest.approx(rows[0].s_per_image_median / rows[1].s_per_image_median)
     assert rows[1].denoiser_rel_err < 2e-2 and rows[0].denoiser_rel_err == 0
+
+
+def test_equal_labels_get_their_own_rows(tiny_flux, cpu_fp8):
+    """Two different models under one label (e.g. two Benchmark inputs both called 'fp8') must be two rows, each
+    measured against the baseline; keyed by label, the second used to overwrite the first (speedup 1.00, error 0)."""
+    from core.fp8 import Fp8Config
+    from core.fp8_patch import apply_fp8
+
+    fp8, _ = apply_fp8(tiny_flux, Fp8Config("per_tensor"))
+    pos = synthetic_conditioning("tiny", text_len=16)
+    rows = benchmark([("x", tiny_flux), ("x", fp8)], BenchCase(width=128, height=128, steps=1, runs=1), pos, pos)
+    assert [r.config for r in rows] == ["x", "x #2"]
+    assert rows[0].denoiser_rel_err == 0 and rows[1].denoiser_rel_err > 1e-3
