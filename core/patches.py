@@ -7,7 +7,8 @@ from .fp8_patch import FP8_KEY, remove_fp8
 
 def label(model) -> str:
     """e.g. 'bf16', 'fp8-per_row', 'fp8-per_row+compile+graphs', 'fp8-per_row-plain+compile+graphs+regions',
-    'fp8-per_row-plain-blocks+modulation' (the scope is named when it is not the default 'blocks')."""
+    'fp8-per_row-plain-blocks+modulation' (the scope is named when it is not the default 'blocks'). '+graphs' only
+    where CUDA graphs run: not on the CPU, not under cudaMallocAsync."""
     fp8 = model.model_options.get(FP8_KEY)
     name = "bf16"
     if fp8:
@@ -15,7 +16,7 @@ def label(model) -> str:
         name = f"fp8-{granularity}" + ("-plain" if layout == "plain" else "") + ("" if scope == "blocks" else f"-{scope}")
     c = compiled_of(model)
     if c is not None:
-        name += "+compile" + ("+graphs" if c.cfg.cuda_graphs else "")
+        name += "+compile" + ("+graphs" if c.graphs_active else "")  # only where graphs run (CUDA, no fallback)
         if c.cfg.block_regions:
             name += "+regions"
         if c.cfg.mode != "default":

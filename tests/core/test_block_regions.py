@@ -101,7 +101,7 @@ def test_regions_compile_once_per_shape_and_leave_the_model_alone(fresh_dynamo):
     assert torch.equal(_sample(base, seed=1), ref), "the input model must still run the original code"
     from core.patches import describe, label
 
-    assert label(model) == "bf16+compile+graphs+regions"
+    assert label(model) == "bf16+compile+regions"
     info = describe(model)["compile"]
     assert info["block_regions"] is True
     (phases,) = info["compile_phases_s"].values()  # one shape compiled: where its compile time went
@@ -129,7 +129,7 @@ def test_subclass_fp8_layout_compiles_without_regions(tiny_flux, cpu_fp8, caplog
         model, compiled = apply_compile(q, CompileConfig(block_regions=True, persistent_cache=False))
     assert "cannot be used in torch's nested compile regions" in caplog.text and "layout 'plain'" in caplog.text
     assert compiled.regions is None and not compiled.cfg.block_regions
-    assert label(model) == "fp8-per_row+compile+graphs"
+    assert label(model) == "fp8-per_row+compile"
     ref = _denoise_once(q)
     assert rel_err(_denoise_once(model), ref) < 2e-2  # it runs (the region path would raise inside torch)
 

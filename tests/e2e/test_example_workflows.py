@@ -72,7 +72,7 @@ def test_quickstart_api_workflow_headless(server):
         assert "FP8 per_row" in out["3"]["text"][0]
     assert "5" not in cached and "6" not in cached
     assert "64x64" in out["5"]["text"][0] or "8x8" in out["5"]["text"][0]
-    assert "| fp8-per_row-plain+compile+graphs+regions |" in out["6"]["text"][0].replace("|  ", "| ")
+    assert "| fp8-per_row-plain+compile+regions |" in out["6"]["text"][0].replace("|  ", "| ")
     assert out["6"]["images"] and out["6"]["fluxaccel_json"] and out["6"]["fluxaccel_speedup"][0] > 0
 
 
@@ -91,11 +91,11 @@ def test_compile_benchmark_api_workflow_headless(server):
     progress = set()
     hist = server.run_following(api, lambda kind, data: kind == "progress" and progress.add(data["node"]))
     out = hist["outputs"]
-    for nid, label in (("11", "fp8-per_row+compile+graphs"), ("12", "fp8-per_tensor+compile+graphs"),
-                       ("13", "bf16+compile+graphs"), ("14", "bf16+compile"),
-                       ("15", "fp8-per_row-plain+compile+graphs"),
-                       ("17", "fp8-per_row-plain+compile+graphs+regions"),
-                       ("20", "fp8-per_row-plain-blocks+modulation+compile+graphs+regions")):
+    for nid, label in (("11", "fp8-per_row+compile"), ("12", "fp8-per_tensor+compile"),
+                       ("13", "bf16+compile"), ("14", "bf16+compile"),
+                       ("15", "fp8-per_row-plain+compile"),
+                       ("17", "fp8-per_row-plain+compile+regions"),
+                       ("20", "fp8-per_row-plain-blocks+modulation+compile+regions")):
         assert f"| {label} |" in out[nid]["text"][0], (nid, out[nid]["text"][0])
         assert out[nid]["fluxaccel_json"] and nid in progress
 
