@@ -1,4 +1,4 @@
-"""Node ids, shared by the Python nodes, the web extension (web/ids.json mirrors it) and the tests."""
+"""Node ids, shared by the Python nodes, the web extension (web/fluxaccel.js lists the same, tests/test_web_ids.py checks) and the tests."""
 CATEGORY = "FluxAccel"
 QUANTIZE_FP8 = "FluxAccelQuantizeFP8"
 COMPILE = "FluxAccelCompile"
