@@ -228,3 +228,19 @@ def test_cuda_graph_skips_at_compile_are_reported(tiny_flux, counters, monkeypat
     assert len(warned) == (1 if skips else 0)
     assert sum(compiled.stats.graph_skips.values()) == skips
     assert describe(model)["compile"]["graph_skips"] == skips
+
+
+def test_per_call_timings_stay_bounded_over_many_calls(tiny_flux, counters):
+    """Host times per call are a bounded window (the last 256 calls), not a list that grows with every step."""
+    from core.compile import CompiledFlux
+
+    dm = tiny_flux.model.diffusion_model
+    c = CompiledFlux(dm, CompileConfig(cuda_graphs=False, persistent_cache=False, block_regions=False),
+                     torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, 8, 8, generator=g).bfloat16()
+    ctx, y = torch.randn(1, 8, 64, generator=g).bfloat16(), torch.randn(1, 64, generator=g).bfloat16()
+    for _ in range(260):
+        c(x, torch.tensor([0.5]), context=ctx, y=y, guidance=torch.tensor([3.5]).bfloat16())
+    assert c.stats.calls == 260 and len(c.stats.host_s) == 256
+    assert c.stats.call_timings()["model_call_host_ms_median"] > 0
