@@ -176,6 +176,16 @@ class CompileStats:
     host_s: deque = field(default_factory=lambda: deque(maxlen=256))
     device_events: deque = field(default_factory=lambda: deque(maxlen=256))
 
+    def copy(self) -> "CompileStats":
+        """An independent copy (lists, dicts and windows copied; the CUDA events themselves shared)."""
+        new = CompileStats(**{f: getattr(self, f) for f in self.__dataclass_fields__})
+        for f in ("shapes",):
+            setattr(new, f, list(getattr(self, f)))
+        for f in ("compile_seconds", "graph_skips", "compile_phases", "uncompiled"):
+            setattr(new, f, dict(getattr(self, f)))
+        new.host_s, new.device_events = deque(self.host_s, maxlen=256), deque(self.device_events, maxlen=256)
+        return new
+
     def call_timings(self) -> dict:
         """Median host and device milliseconds per warm compiled call (synchronizes once to read the events)."""
         out = {}
@@ -228,6 +238,16 @@ class CompiledFlux(torch.nn.Module):
     def graphs_active(self) -> bool:
         """CUDA graphs asked for and possible here (they are CUDA-only; on the CPU the option is ignored)."""
         return self.cfg.cuda_graphs and self.device.type == "cuda"
+
+    def derive(self) -> "CompiledFlux":
+        """A CompiledFlux for a downstream node's output (Warmup): the same compiled callable, compile cache and block
+        regions, with its own allowed shapes and stats (copies), so that what it registers leaves this one -- an
+        upstream node's output, which ComfyUI treats as immutable -- as it was."""
+        import copy
+
+        new = copy.copy(self)  # shallow: the compiled callable, model, cache and regions are shared on purpose
+        new.stats = self.stats.copy()
+        return new
 
     def register_shape(self, key: ShapeKey) -> None:
         """Allow a shape explicitly (the Warmup node), whatever the resolution policy; bounded by max_shapes."""

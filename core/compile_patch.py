@@ -156,6 +156,20 @@ def compiled_of(model) -> CompiledFlux | None:
     return None
 
 
+def with_own_shapes(model):
+    """(clone, its CompiledFlux): a clone of a compiled model whose CompiledFlux is derived from the input's (own
+    allowed shapes and stats), for a node that registers shapes (Warmup); (model, None) if it is not compiled."""
+    compiled = compiled_of(model)
+    if compiled is None:
+        return model, None
+    view = compiled.derive()
+    clone = model.clone()
+    wt = _apply_model_type()
+    clone.remove_wrappers_with_key(wt, COMPILE_KEY)
+    clone.add_wrapper_with_key(wt, COMPILE_KEY, _swap_in_factory(view))
+    return clone, view
+
+
 def remove_compile(model):
     """A clone running the uncompiled model (the Benchmark's default baseline)."""
     if compiled_of(model) is None:

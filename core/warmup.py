@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from .compile import ShapeKey, dtype_name
-from .compile_patch import compiled_of
+from .compile_patch import with_own_shapes
 from .errors import FluxAccelError
 from .flux import require_flux
 from .test_models import synthetic_conditioning_for
@@ -39,12 +39,14 @@ def parse_resolutions(text: str) -> list[tuple[int, int]]:
 
 def warmup(model, resolutions: list[tuple[int, int]], batch_size: int = 1, text_length: int = 256, cfg: float = 1.0,
            steps: int = 2, positive=None, negative=None, sampler: str = "euler", scheduler: str = "simple",
-           on_step: Callable[[], None] | None = None) -> dict[str, float]:
-    """Sample `steps` steps at each resolution; returns {shape description: seconds of its first sampling run}."""
+           on_step: Callable[[], None] | None = None):
+    """Sample `steps` steps at each resolution. Returns (model, {shape description: seconds of its first sampling
+    run}): a clone whose compiled model allows these shapes; the input model (the Compile node's output) keeps its
+    own shapes and policy, also when warming up fails."""
     import comfy.sample
 
     dm = require_flux(model, "Warmup (FluxAccel)")
-    compiled = compiled_of(model)
+    model, compiled = with_own_shapes(model)
     if positive is None:
         positive = synthetic_conditioning_for(dm, text_length)
     if negative is None:
@@ -65,4 +67,4 @@ def warmup(model, resolutions: list[tuple[int, int]], batch_size: int = 1, text_
                             callback=(lambda *a: on_step()) if on_step else None, disable_pbar=True, seed=0)
         seconds[key.describe()] = time.perf_counter() - t0
         log.info("FluxAccel warmup: %s ready in %.1f s", key.describe(), seconds[key.describe()])
-    return seconds
+    return model, seconds

@@ -29,7 +29,8 @@ class Warmup(io.ComfyNode):
                 io.Conditioning.Input("positive", optional=True, tooltip="Your positive conditioning (sets the text length)."),
                 io.Conditioning.Input("negative", optional=True, tooltip="Your negative conditioning."),
             ],
-            outputs=[io.Model.Output(tooltip="The same model, compiled and captured at these shapes.")],
+            outputs=[io.Model.Output(tooltip="The model, compiled and captured at these shapes, which it allows; the "
+                                             "input (the Compile node's output) keeps its own shapes and policy.")],
         )
 
     @classmethod
@@ -40,6 +41,7 @@ class Warmup(io.ComfyNode):
     def execute(cls, model, resolutions, batch_size, text_length, cfg, steps, positive=None, negative=None) -> io.NodeOutput:
         res = parse_resolutions(resolutions)
         pbar = comfy.utils.ProgressBar(len(res) * steps)
-        secs = warmup(model, res, batch_size, text_length, cfg, steps, positive, negative, on_step=lambda: pbar.update(1))
+        warmed, secs = warmup(model, res, batch_size, text_length, cfg, steps, positive, negative,
+                              on_step=lambda: pbar.update(1))
         text = "\n".join(f"{shape}: ready in {s:.1f} s" for shape, s in secs.items())
-        return io.NodeOutput(model, ui=ui.PreviewText(text))
+        return io.NodeOutput(warmed, ui=ui.PreviewText(text))

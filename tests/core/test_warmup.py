@@ -4,7 +4,7 @@ import torch
 import torch._dynamo.utils as dynamo_utils
 
 from core.compile import CompileConfig, ShapeKey
-from core.compile_patch import apply_compile
+from core.compile_patch import apply_compile, compiled_of
 from core.errors import FluxAccelError
 from core.test_models import synthetic_conditioning
 from core.warmup import parse_resolutions, warmup
@@ -24,11 +24,13 @@ def test_warmup_then_real_runs_compile_nothing(tiny_flux):
 
     dynamo_utils.counters.clear()
     torch._dynamo.reset()
-    model, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict"))
+    upstream, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict"))
     ticks = []
-    secs = warmup(model, [(128, 128), (128, 192)], text_length=16, cfg=1.0, steps=2, on_step=lambda: ticks.append(1))
+    model, secs = warmup(upstream, [(128, 128), (128, 192)], text_length=16, cfg=1.0, steps=2,
+                         on_step=lambda: ticks.append(1))
     assert len(ticks) == 4 and len(secs) == 2 and all(s > 0 for s in secs.values())
-    assert compiled.stats.shapes == [ShapeKey(1, 16, 16, 16, "bfloat16"), ShapeKey(1, 24, 16, 16, "bfloat16")]
+    assert compiled_of(model).stats.shapes == [ShapeKey(1, 16, 16, 16, "bfloat16"), ShapeKey(1, 24, 16, 16, "bfloat16")]
+    assert compiled.stats.shapes == [] and compiled_of(model) is not compiled, "the Compile node's output is unchanged"
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     assert graphs == 2  # one graph per warmed shape
     pos = synthetic_conditioning("tiny", text_len=16, seed=42)
@@ -43,7 +45,28 @@ def test_warmup_then_real_runs_compile_nothing(tiny_flux):
     torch._dynamo.reset()
 
 
-def test_warmup_respects_max_shapes(tiny_flux):
-    model, _ = apply_compile(tiny_flux, CompileConfig(max_shapes=1))
+def test_warmup_respects_max_shapes_and_a_failed_one_leaves_the_input_as_it_was(tiny_flux):
+    model, compiled = apply_compile(tiny_flux, CompileConfig(max_shapes=1))
     with pytest.raises(FluxAccelError, match="more shapes than the Compile node's max_shapes \\(1\\)"):
         warmup(model, [(128, 128), (192, 128)], text_length=16, steps=1)
+    assert compiled.stats.shapes == [] and compiled.stats.calls == 0
+
+
+def test_a_sibling_branch_of_the_compile_output_keeps_its_strict_policy(tiny_flux):
+    """Compile -> Warmup (two shapes) in one branch, the same Compile output straight into a KSampler in another:
+    the sibling is strict (its first shape only), and reuses the warmed graph for it (no new compile)."""
+    import comfy.sample
+
+    dynamo_utils.counters.clear()
+    torch._dynamo.reset()
+    upstream, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict"))
+    warmup(upstream, [(128, 128), (128, 192)], text_length=16, steps=1)
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    pos = synthetic_conditioning("tiny", text_len=16, seed=42)
+    latent = torch.zeros(1, 16, 16, 16)
+    comfy.sample.sample(upstream, latent, 1, 1.0, "euler", "simple", pos, pos, latent, disable_pbar=True, seed=0)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    with pytest.raises(FluxAccelError, match="compiled for batch 1, latent 16x16 .*, but received batch 1, latent 24x16"):
+        latent = torch.zeros(1, 16, 24, 16)
+        comfy.sample.sample(upstream, latent, 1, 1.0, "euler", "simple", pos, pos, latent, disable_pbar=True, seed=0)
+    torch._dynamo.reset()
