@@ -11,6 +11,7 @@ Recipe, in order (each step's why):
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
@@ -201,7 +202,8 @@ class CompiledFlux(torch.nn.Module):
     """Stands in for BaseModel.diffusion_model during apply_model: checks the shape contract, marks a new
     CUDA-graph step, runs the compiled whole model, and returns an output the sampler may keep."""
 
-    def __init__(self, dm: torch.nn.Module, cfg: CompileConfig, device: torch.device, variant: str = ""):
+    def __init__(self, dm: torch.nn.Module, cfg: CompileConfig, device: torch.device, variant: str = "",
+                 layout: str | None = None):
         super().__init__()
         # held outside _modules: the live diffusion model must not appear twice in the module tree
         object.__setattr__(self, "_dm", dm)
@@ -218,7 +220,7 @@ class CompiledFlux(torch.nn.Module):
         if cfg.persistent_cache:
             from .compile_cache import CompileCache, cache_key
 
-            self.cache = CompileCache(cache_key(dm, cfg, self.device, variant))
+            self.cache = CompileCache(cache_key(dm, cfg, self.device, variant, layout))
             self.stats.cache_loaded = self.cache.load()
         object.__setattr__(self, "_compiled", torch.compile(dm, backend="inductor", dynamic=False, fullgraph=False,
                                                             options=cfg.inductor_options(self.device)))
@@ -322,8 +324,10 @@ class CompiledFlux(torch.nn.Module):
             # which is safe because we return a copy below.
             torch.compiler.cudagraph_mark_step_begin()
             self.stats.marks += 1
-        # plain-torch RoPE, fused by inductor (ComfyUI 0.33's is an opaque kitchen op: rope.py)
-        with recompile_budget(), torch_rope():
+        # plain-torch RoPE, fused by inductor (ComfyUI 0.33's is an opaque kitchen op: rope.py); a first call's
+        # compile artifacts are recorded for this model's cache file only (compile_cache.py)
+        recording = self.cache.recording() if first and self.cache is not None else contextlib.nullcontext()
+        with recording, recompile_budget(), torch_rope():
             out = self._compiled(x, timestep, context=context,
                                  transformer_options=call_options(transformer_options, self.regions), **kwargs)
         if self.graphs:

@@ -4,6 +4,11 @@ compile and loaded before the next one in a fresh process, so a restarted ComfyU
 Files live in ComfyUI's user directory (fluxaccel/compile-cache/), one per key: torch, triton and torchao
 versions, the device, the compile config and the model's parameter layout (shapes, dtypes, FP8 or not).
 A stale, foreign or corrupt file is ignored with a warning and the model simply compiles again.
+
+Each file holds its own model's artifacts only: torch records the artifacts of every compile of the process in one
+list (`torch.compiler.save_cache_artifacts()` would write all models compiled so far into every file), so a compile
+runs inside `recording()` (torch's CacheArtifactManager.with_fresh_cache) and the file is written from what this
+model loaded and recorded.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import importlib.metadata as md
 import json
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -40,20 +46,25 @@ def _version(pkg: str) -> str | None:
         return None
 
 
-def cache_key(dm: torch.nn.Module, cfg, device: torch.device, variant: str = "") -> str:
+def cache_key(dm: torch.nn.Module, cfg, device: torch.device, variant: str = "", layout: str | None = None) -> str:
     """variant: what the patched model differs by at load time (FP8 config, swapped modules); the module here is
-    the unpatched one, so without it bf16, FP8 per-tensor and FP8 per-row compiles would share one file."""
+    the unpatched one, so without it bf16, FP8 per-tensor and FP8 per-row compiles would share one file.
+    layout: the model's architecture and storage as loaded (compile_patch.model_layout). Without it the live module
+    tree is hashed, which holds whatever clone's patches are applied at that moment."""
     device = torch.device(device)
     dev = "cpu"
     if device.type == "cuda":
         dev = f"{torch.cuda.get_device_name(device)} sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
-    layout = hashlib.sha256()
-    for name, p in dm.named_parameters():
-        layout.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{type(p.data).__name__}".encode())
+    h = hashlib.sha256()
+    if layout is not None:
+        h.update(layout.encode())
+    else:
+        for name, p in dm.named_parameters():
+            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{type(p.data).__name__}".encode())
     # only what changes the compiled artifacts: the inductor options (graphs, mode), not resolution_policy etc.
     options = repr(sorted(cfg.inductor_options(device).items())) + f" block_regions={cfg.block_regions}"
     ident = {"format": 1, "torch": torch.__version__, "triton": _version("triton"), "torchao": _version("torchao"),
-             "device": dev, "config": options, "model": type(dm).__name__, "layout": layout.hexdigest(),
+             "device": dev, "config": options, "model": type(dm).__name__, "layout": h.hexdigest(),
              "variant": variant}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -63,6 +74,7 @@ class CompileCache:
         self.dir = Path(directory) if directory else default_dir()
         self.key = key
         self.path = self.dir / f"{key}.bin"
+        self.artifacts: dict[str, list] = {}  # kind -> torch CacheArtifacts: loaded from this file, recorded for it
 
     def load(self) -> bool:
         """Hot-load saved artifacts into inductor's caches; False (with a warning) if absent or unusable."""
@@ -75,7 +87,11 @@ class CompileCache:
             header, _, payload = blob[len(MAGIC):].partition(b"\n")
             if json.loads(header).get("key") != self.key:
                 raise ValueError("written for another model/version/config")
-            info = torch.compiler.load_cache_artifacts(payload)
+            artifacts = _manager().deserialize(payload)
+            if artifacts is None:
+                raise ValueError("its artifacts cannot be read")
+            info = _manager().populate_caches(artifacts)
+            self._merge(artifacts)
             log.info("FluxAccel: loaded compile cache %s (%s)", self.path, info)
             return True
         except Exception as e:  # a cache must never break a run: warn and compile from scratch
@@ -83,9 +99,32 @@ class CompileCache:
                         self.path, type(e).__name__, e)
             return False
 
+    @contextmanager
+    def recording(self):
+        """Around a compile: what it records goes to this file (and not into the process-wide list)."""
+        m = _manager()
+        with m.with_fresh_cache():
+            try:
+                yield
+            finally:
+                self._merge(dict(m._new_cache_artifacts))
+
+    def _merge(self, artifacts: dict) -> None:
+        for kind, items in artifacts.items():
+            have = self.artifacts.setdefault(kind, [])
+            keys = {a.key for a in have}
+            have.extend(a for a in items if a.key not in keys)
+
     def save(self) -> bool:
+        """Write this model's artifacts (write to a temporary name, then rename: workers may share the folder)."""
         try:
-            res = torch.compiler.save_cache_artifacts()
+            if not any(self.artifacts.values()):
+                return False
+            m = _manager()
+            with m.with_fresh_cache():
+                for kind, items in self.artifacts.items():
+                    m._new_cache_artifacts[kind].extend(items)
+                res = m.serialize()
             if not res:
                 return False
             payload, info = res
@@ -98,6 +137,12 @@ class CompileCache:
         except Exception as e:
             log.warning("FluxAccel: could not save the compile cache to %s (%s: %s)", self.path, type(e).__name__, e)
             return False
+
+
+def _manager():
+    from torch.compiler._cache import CacheArtifactManager  # what torch.compiler.save/load_cache_artifacts use
+
+    return CacheArtifactManager
 
 
 def clear(directory: Path | None = None) -> int:

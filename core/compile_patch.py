@@ -99,6 +99,16 @@ def _variant(model) -> str:
     return repr((fp8, swapped))
 
 
+def model_layout(model) -> str:
+    """What the compiled graph's parameters look like, read from the patcher rather than the live module tree (which
+    holds whichever clone's patches are applied at the moment): the architecture ComfyUI detected and the storage and
+    compute dtypes. With _variant (FP8 config, swapped modules) it keys the persistent compile cache."""
+    bm = model.model
+    unet = getattr(getattr(bm, "model_config", None), "unet_config", None) or {}
+    return repr((type(bm.diffusion_model).__name__, sorted((k, repr(v)) for k, v in unet.items()),
+                 str(bm.get_dtype()), str(getattr(bm, "manual_cast_dtype", None))))
+
+
 def apply_compile(model, cfg: CompileConfig, node: str = NODE):
     """Return a clone of `model` whose diffusion model runs compiled (and graph-captured) as one module."""
     require_flux(model, node)
@@ -140,7 +150,7 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
         log.info("FluxAccel: replacing ComfyUI's whole-model torch.compile wrapper with FluxAccel's")
         clone.remove_wrappers_with_key(wt, COMFY_COMPILE_KEY)
         clone.model_options.pop("torch_compile_kwargs", None)
-    compiled = CompiledFlux(dm, cfg, device, variant=_variant(model))
+    compiled = CompiledFlux(dm, cfg, device, variant=_variant(model), layout=model_layout(model))
     compiled.stats.graphs_off_reason = graphs_off
     clone.add_wrapper_with_key(wt, COMPILE_KEY, _swap_in_factory(compiled))
     clone.add_callback_with_key(on_load_callback_type(), COMPILE_KEY, partial_load_guard(node))

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import torch
+
 from conftest import ROOT
 
 SCRIPT = textwrap.dedent(r"""
@@ -92,3 +94,50 @@ def test_fp8_variants_of_one_model_get_their_own_cache_files(cpu_fp8, tiny_flux)
     assert len(set(paths.values())) == 3, paths
     again = apply_compile(models["per_row"], CompileConfig(cuda_graphs=False))[1].cache.path
     assert again == paths["per_row"]
+
+
+def _artifact_keys(path) -> set:
+    from core.compile_cache import MAGIC, _manager
+
+    payload = path.read_bytes()[len(MAGIC):].partition(b"\n")[2]
+    return {(kind, a.key) for kind, items in _manager().deserialize(payload).items() for a in items}
+
+
+def test_each_file_holds_only_its_own_models_artifacts(cpu_fp8, tiny_flux, tmp_path, monkeypatch):
+    """torch keeps one process-wide list of compile artifacts; a file must not carry the other models' (three models
+    used to give files of 1x, 2x and 3x the size, and loading one key loaded them all)."""
+    from core.compile import CompileConfig
+    from core.compile_patch import apply_compile
+    from core.fp8 import Fp8Config
+    from core.fp8_patch import apply_fp8
+    from fluxaccel_testing import denoise_once
+
+    monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    fp8, _ = apply_fp8(tiny_flux, Fp8Config("per_tensor"))
+    files = []
+    for m in (tiny_flux, fp8):
+        clone, c = apply_compile(m, CompileConfig(cuda_graphs=False, block_regions=False))
+        denoise_once(clone)
+        files.append(c.cache.path)
+    first, second = (_artifact_keys(f) for f in files)
+    assert first and second and not (first & second), "the second file repeats the first model's artifacts"
+
+
+def test_cache_key_does_not_depend_on_which_clone_is_loaded(cpu_fp8, tiny_flux):
+    """The key is read from the patcher, not from the live module tree, which holds the FP8 object patches of
+    whichever clone ComfyUI loaded last."""
+    from core.compile import CompileConfig
+    from core.compile_patch import apply_compile
+    from core.fp8 import Fp8Config
+    from core.fp8_patch import apply_fp8
+
+    cfg = CompileConfig(cuda_graphs=False)
+    fp8, _ = apply_fp8(tiny_flux, Fp8Config("per_row"))
+    plain_key, fp8_key = (apply_compile(m, cfg)[1].cache.key for m in (tiny_flux, fp8))
+    fp8.patch_model()  # another branch's FP8 clone is what the shared module holds now
+    try:
+        assert apply_compile(tiny_flux, cfg)[1].cache.key == plain_key
+        assert apply_compile(fp8, cfg)[1].cache.key == fp8_key != plain_key
+    finally:
+        fp8.unpatch_model()
