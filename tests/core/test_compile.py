@@ -244,3 +244,41 @@ def test_per_call_timings_stay_bounded_over_many_calls(tiny_flux, counters):
         c(x, torch.tensor([0.5]), context=ctx, y=y, guidance=torch.tensor([3.5]).bfloat16())
     assert c.stats.calls == 260 and len(c.stats.host_s) == 256
     assert c.stats.call_timings()["model_call_host_ms_median"] > 0
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("regions", [False, True], ids=["whole", "regions"])
+def test_rope_options_are_honoured_compiled(tiny_flux, counters, regions):
+    """ComfyUI's ScaleROPE sets rope_options in the model's transformer_options; the compiled model computes with them
+    (one sampling step = one denoiser forward), and a second call with them compiles nothing new."""
+    m = tiny_flux.clone()
+    m.set_model_rope_options(2, 0, 2, 0, 1, 0)
+    ref, eager = _sample(tiny_flux, steps=1), _sample(m, steps=1)
+    assert _rel(eager, ref) > 0.01, "the option must matter on this model for the test to mean anything"
+    clone, c = apply_compile(m, CompileConfig(cuda_graphs=False, block_regions=regions))
+    out = _sample(clone, steps=1)
+    g = _graphs(counters)
+    _sample(clone, steps=1, seed=3)
+    assert _graphs(counters) == g
+    assert _rel(out, eager) < 0.02 < _rel(out, ref), (_rel(out, eager), _rel(out, ref))
+
+
+def test_attention_override_is_honoured_compiled(tiny_flux, counters):
+    """An optimized_attention_override (what attention-backend nodes set) runs inside the compiled model: here one
+    that halves the attention output, compiled vs eager with it, and clearly not the model without it."""
+    calls = []
+
+    def halve(func, *args, **kwargs):
+        calls.append(1)
+        return func(*args, **kwargs) * 0.5
+
+    m = tiny_flux.clone()
+    m.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = halve
+    ref, eager = _sample(tiny_flux, steps=1), _sample(m, steps=1)
+    assert calls and _rel(eager, ref) > 0.01
+    clone, _ = apply_compile(m, CompileConfig(cuda_graphs=False, block_regions=False))
+    out = _sample(clone, steps=1)
+    assert _rel(out, eager) < 0.02 < _rel(out, ref), (_rel(out, eager), _rel(out, ref))
