@@ -178,12 +178,11 @@ class CompileStats:
     device_events: deque = field(default_factory=lambda: deque(maxlen=256))
 
     def copy(self) -> "CompileStats":
-        """An independent copy (lists, dicts and windows copied; the CUDA events themselves shared)."""
+        """The stats of a derived CompiledFlux (CompiledFlux.derive): its own allowed shapes, counters and timing
+        windows; what the shared compiled callable has compiled (compile_seconds, phases, graph skips, uncompiled
+        shapes) stays shared, so a shape one of them compiled is not 'compiled' again by the other."""
         new = CompileStats(**{f: getattr(self, f) for f in self.__dataclass_fields__})
-        for f in ("shapes",):
-            setattr(new, f, list(getattr(self, f)))
-        for f in ("compile_seconds", "graph_skips", "compile_phases", "uncompiled"):
-            setattr(new, f, dict(getattr(self, f)))
+        new.shapes = list(self.shapes)
         new.host_s, new.device_events = deque(self.host_s, maxlen=256), deque(self.device_events, maxlen=256)
         return new
 

@@ -31,6 +31,8 @@ def test_warmup_then_real_runs_compile_nothing(tiny_flux):
     assert len(ticks) == 4 and len(secs) == 2 and all(s > 0 for s in secs.values())
     assert compiled_of(model).stats.shapes == [ShapeKey(1, 16, 16, 16, "bfloat16"), ShapeKey(1, 24, 16, 16, "bfloat16")]
     assert compiled.stats.shapes == [] and compiled_of(model) is not compiled, "the Compile node's output is unchanged"
+    assert compiled.stats.compile_seconds.keys() == compiled_of(model).stats.compile_seconds.keys(), \
+        "what the shared compiled callable compiled is known to both (no second 'compiled' for a shared shape)"
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     assert graphs == 2  # one graph per warmed shape
     pos = synthetic_conditioning("tiny", text_len=16, seed=42)
