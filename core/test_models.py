@@ -110,7 +110,7 @@ def write_flux_file(path: str | os.PathLike, shape: str = "e2e", seed: int = 0, 
         # *_norm.scale on load (comfy/supported_models.py); 0.3.75 names them .scale
         key = name[: -len(".weight")] + ".scale" if name.endswith("_norm.weight") else name
         sd[key] = t.cpu().contiguous()
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".tmp{os.getpid()}")  # two test sessions may write the same (seeded) file at once
     save_file(sd, str(tmp), metadata={"fluxaccel": f"random-weight FLUX shape={shape} seed={seed}"})
     os.replace(tmp, path)
     log.info("wrote random-weight FLUX (%s) to %s", shape, path)
@@ -164,7 +164,7 @@ def write_scaled_fp8_file(path: str | os.PathLike, bf16_file: str | os.PathLike)
         sd[key] = (w.float() / scale).to(torch.float8_e4m3fn)
         sd[f"{layer}.weight_scale"] = scale.reshape(())
         layers[layer] = {"format": "float8_e4m3fn"}
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".tmp{os.getpid()}")  # two test sessions may write the same (seeded) file at once
     save_file(sd, str(tmp), metadata={"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers}),
                                       "fluxaccel": f"scaled-FP8 (per-tensor e4m3fn) copy of {Path(bf16_file).name}"})
     os.replace(tmp, path)
@@ -195,5 +195,7 @@ def write_lora_file(path: str | os.PathLike, flux_file: str | os.PathLike, targe
             sd[f"diffusion_model.{name}.lora_up.weight"] = (torch.randn(w.shape[0], rank, generator=g) * s).bfloat16()
             sd[f"diffusion_model.{name}.lora_down.weight"] = (torch.randn(rank, w.shape[1], generator=g) * s).bfloat16()
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(sd, str(path))
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    save_file(sd, str(tmp))
+    os.replace(tmp, path)
     return path

@@ -1,14 +1,40 @@
 #!/usr/bin/env bash
-# Runs the whole test suite (CPU, real ComfyUI servers) on both hosts, ComfyUI 0.33.0 then 0.3.75, after setting
+# Runs the whole test suite (CPU, real ComfyUI servers) on both hosts, ComfyUI 0.33.0 and 0.3.75, after setting
 # everything up. FLUXACCEL_COMFYUI=0.33.0 (or 0.3.75) runs one host only. Arguments go to pytest.
+#
+# The two hosts' suites run at the same time, each in its own process tree (own servers, ports, temp folders and
+# compile caches); each one's output goes to .cache/test-<host>.log and is printed when it ends. Much of a CPU test's
+# time is single-threaded (Python imports, dynamo tracing, inductor's lowering), so two suites overlap well on a
+# 2-core machine. FLUXACCEL_TEST_SERIAL=1 runs them one after the other, printing as they go.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HOSTS=${FLUXACCEL_COMFYUI:-"0.33.0 0.3.75"}
 bash scripts/setup-browser.sh
+declare -A PYS
+for h in $HOSTS; do  # set-up in order: both hosts share .venv
+  PYS[$h]=$(FLUXACCEL_COMFYUI=$h bash scripts/setup.sh)
+done
+run() {  # host, pytest args...
+  local h=$1; shift
+  echo "[test] ComfyUI $h: ${PYS[$h]} -m pytest $*" >&2
+  FLUXACCEL_COMFYUI=$h "${PYS[$h]}" -m pytest --durations=15 "$@"
+}
 status=0
+set -- "$@"
+if [ -n "${FLUXACCEL_TEST_SERIAL:-}" ] || [ "$(wc -w <<<"$HOSTS")" -eq 1 ]; then
+  for h in $HOSTS; do run "$h" "$@" || status=$?; done
+  exit $status
+fi
+declare -A PIDS
 for h in $HOSTS; do
-  PY=$(FLUXACCEL_COMFYUI=$h bash scripts/setup.sh)
-  echo "[test] ComfyUI $h: $PY -m pytest $*" >&2
-  FLUXACCEL_COMFYUI=$h "$PY" -m pytest --durations=15 "$@" || status=$?
+  run "$h" "$@" > ".cache/test-$h.log" 2>&1 &
+  PIDS[$h]=$!
+done
+for h in $HOSTS; do
+  rc=0
+  wait "${PIDS[$h]}" || rc=$?
+  echo "===== ComfyUI $h: pytest exit $rc (.cache/test-$h.log) ====="
+  cat ".cache/test-$h.log"
+  [ "$rc" -eq 0 ] || status=$rc
 done
 exit $status

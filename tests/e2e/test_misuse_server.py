@@ -1,5 +1,5 @@
 """Misuse of a real ComfyUI server with the plugin: a non-FLUX model into each node, malformed API prompts, path
-tricks against the only HTTP surface the plugin adds (its web folder), and 50 prompts in a row without host-memory
+tricks against the only HTTP surface the plugin adds (its web folder), and many prompts in a row without host-memory
 growth. After each misuse the server must answer the next prompt correctly."""
 import os
 import urllib.error
@@ -33,7 +33,9 @@ def sd3_file():
         g = torch.Generator().manual_seed(0)
         sd = {k: (torch.randn(v.shape, generator=g) * 0.02).to(torch.bfloat16) for k, v in dm.state_dict().items()}
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(sd, str(path))
+        tmp = path.with_suffix(f".tmp{os.getpid()}")  # the other host's suite may write it at the same time
+        save_file(sd, str(tmp))
+        os.replace(tmp, path)
     return path
 
 
