@@ -210,6 +210,20 @@ class _Fp8Plain(_Fp8DeviceMove):
     runs fp8_linear with the torchao kwargs kept from quantization. ComfyUI's per-call cast and weight-function
     paths are bypassed (the FP8 GEMM returns the activation dtype itself; weight patches are refused)."""
 
+    def _apply(self, fn, recurse=True):
+        """The FP8 data and its scales move devices but keep their dtypes: a dtype cast of the module
+        (module.to(torch.bfloat16), .half(), ...) would turn the FP8 data into plain values without their scale,
+        and the next forward would fail. Everything else (the bias) follows fn as usual."""
+        w, s = self._parameters.pop("weight"), self._buffers.pop("fp8_weight_scale")
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            target = fn(torch.empty(0, device=w.device)).device
+            self._parameters["weight"] = w if w.device == target else torch.nn.Parameter(w.to(target),
+                                                                                         requires_grad=False)
+            self._buffers["fp8_weight_scale"] = s.to(target)
+        return self
+
     def forward(self, x, *args, **kwargs):
         if self.weight_function or self.bias_function:
             self.convert_weight(self.weight)  # a lowvram/LoRA weight function reached an FP8 Linear: refuse

@@ -199,3 +199,16 @@ def test_plain_layout_moves_and_refuses_weight_functions(cpu_fp8):
     q.weight_function = [lambda w: w]
     with pytest.raises(FluxAccelError, match="Put LoraLoaderModelOnly.*before"):
         q(torch.randn(3, 32, dtype=torch.bfloat16))
+
+
+def test_plain_layout_keeps_its_fp8_data_through_a_dtype_cast(cpu_fp8):
+    """module.to(torch.bfloat16) on an FP8 Linear of the plain layout used to cast the FP8 data to bf16 values without
+    their scale (the next forward raised): the data and scales keep their dtypes, the output is unchanged."""
+    lin = torch.nn.Linear(32, 48, dtype=torch.bfloat16)
+    q = quantize_linear(lin, Fp8Config("per_row", layout="plain"), "cpu")
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    ref = q(x)
+    scale_dtype = q.fp8_weight_scale.dtype
+    q.to(torch.bfloat16)
+    assert q.weight.dtype == torch.float8_e4m3fn and q.fp8_weight_scale.dtype == scale_dtype
+    assert torch.equal(q(x), ref)
