@@ -267,6 +267,9 @@ def _detached_copy(linear: torch.nn.Linear, device: torch.device, compute_dtype=
     new._parameters = dict(linear._parameters)
     new._buffers = dict(linear._buffers)
     new._modules = dict(linear._modules)
+    for attr, value in vars(linear).items():  # hook registries (_forward_hooks, ...): the copy's own
+        if attr.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) and isinstance(value, dict):
+            setattr(new, attr, type(value)(value))
     for attr in ("weight_function", "bias_function"):
         if hasattr(linear, attr):
             setattr(new, attr, list(getattr(linear, attr)))

@@ -212,3 +212,14 @@ def test_plain_layout_keeps_its_fp8_data_through_a_dtype_cast(cpu_fp8):
     q.to(torch.bfloat16)
     assert q.weight.dtype == torch.float8_e4m3fn and q.fp8_weight_scale.dtype == scale_dtype
     assert torch.equal(q(x), ref)
+
+
+def test_quantized_copy_has_its_own_hook_registries(cpu_fp8):
+    """A hook registered on the quantized copy (or on the original) stays on that module: the copy once shared the
+    original's hook dicts, so the loaded bf16 model ran hooks meant for the FP8 clone."""
+    lin = torch.nn.Linear(32, 48, dtype=torch.bfloat16)
+    q = quantize_linear(lin, Fp8Config("per_row", layout="plain"), "cpu")
+    q.register_forward_hook(lambda *a: None)
+    q.register_forward_pre_hook(lambda *a: None)
+    assert len(q._forward_hooks) == 1 and len(q._forward_pre_hooks) == 1
+    assert not lin._forward_hooks and not lin._forward_pre_hooks
