@@ -66,12 +66,20 @@ class Fp8Config:
         return [self.granularity, self.scope, self.layout]
 
     def torchao_config(self):
-        """The torchao config; set_inductor_config=False keeps process-wide inductor settings untouched."""
+        """The torchao config; set_inductor_config=False keeps process-wide inductor settings untouched, and the
+        kernel preference is pinned to torchao's TORCH path (torch._scaled_mm), the one fp8_linear replays, so the
+        subclass and plain layouts compute the same by construction (AUTO may pick an optional kernel library)."""
         require_torchao()
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor
 
         gran = PerRow() if self.granularity == "per_row" else PerTensor()
-        return Float8DynamicActivationFloat8WeightConfig(granularity=gran, set_inductor_config=False)
+        try:  # torchao 0.18 (tested); an older one without the option has only the TORCH path
+            from torchao.quantization.quantize_.common import KernelPreference
+
+            pin = {"kernel_preference": KernelPreference.TORCH}
+        except ImportError:
+            pin = {}
+        return Float8DynamicActivationFloat8WeightConfig(granularity=gran, set_inductor_config=False, **pin)
 
 
 def in_scope(name: str, scope: str) -> bool:

@@ -223,3 +223,12 @@ def test_quantized_copy_has_its_own_hook_registries(cpu_fp8):
     q.register_forward_pre_hook(lambda *a: None)
     assert len(q._forward_hooks) == 1 and len(q._forward_pre_hooks) == 1
     assert not lin._forward_hooks and not lin._forward_pre_hooks
+
+
+def test_torchao_config_pins_the_torch_kernel_path():
+    """Both layouts run torchao's TORCH kernel path (torch._scaled_mm), the one the plain layout replays."""
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    for g in ("per_row", "per_tensor"):
+        c = Fp8Config(g).torchao_config()
+        assert c.kernel_preference == KernelPreference.TORCH and c.set_inductor_config is False
