@@ -95,7 +95,7 @@ def shape_key(x: torch.Tensor, context: torch.Tensor | None) -> ShapeKey:
 # dynamo's recompile budget is counted per code object: every CompiledFlux compiles the same Flux.forward, so all
 # FluxAccel models of a process would share torch's default (8 entries), and a shape past it would run eager with no
 # error. FluxAccel's calls run with a budget above anything max_shapes allows (torch._dynamo.config.patch: for the
-# duration of our call only, restored after it); a first call that still made no graph is caught below.
+# duration of our call only, restored after it).
 RECOMPILE_LIMIT = 1024
 
 
@@ -104,12 +104,6 @@ def recompile_budget():
 
     return dc.patch(**{k: max(getattr(dc, k), RECOMPILE_LIMIT)
                        for k in ("recompile_limit", "accumulated_recompile_limit") if hasattr(dc, k)})
-
-
-def unique_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
 
 
 def cudagraph_skips() -> int:
@@ -170,7 +164,6 @@ class CompileStats:
     cache_loaded: bool = False
     graph_skips: dict[ShapeKey, int] = field(default_factory=dict)  # inductor's cudagraph_skips at each compile
     graphs_off_reason: str = ""  # CUDA graphs asked for but not possible in this process (compile_patch.py)
-    uncompiled: dict[ShapeKey, str] = field(default_factory=dict)  # shapes whose first call made no graph: eager
     compile_phases: dict[ShapeKey, dict[str, float]] = field(default_factory=dict)  # PHASES seconds per compile
     # last warm calls: host seconds spent inside the call (graph replay is asynchronous, so on a GPU this is the
     # launch overhead: guards, input checks, replay) and (start, end) CUDA events around it (device time)
@@ -179,8 +172,8 @@ class CompileStats:
 
     def copy(self) -> "CompileStats":
         """The stats of a derived CompiledFlux (CompiledFlux.derive): its own allowed shapes, counters and timing
-        windows; what the shared compiled callable has compiled (compile_seconds, phases, graph skips, uncompiled
-        shapes) stays shared, so a shape one of them compiled is not 'compiled' again by the other."""
+        windows; what the shared compiled callable has compiled (compile_seconds, phases, graph
+        skips) stays shared, so a shape one of them compiled is not 'compiled' again by the other."""
         new = CompileStats(**{f: getattr(self, f) for f in self.__dataclass_fields__})
         new.shapes = list(self.shapes)
         new.host_s, new.device_events = deque(self.host_s, maxlen=256), deque(self.device_events, maxlen=256)
@@ -316,7 +309,6 @@ class CompiledFlux(torch.nn.Module):
             events[0].record()
         t0 = time.perf_counter()
         skips_before = cudagraph_skips() if first else 0
-        graphs_before = unique_graphs() if first else 0
         phases_before = _phase_totals() if first else None
         if self.graphs:
             # A new CUDA-graph step per model call: outputs of the previous call may be overwritten from here on,
@@ -332,14 +324,6 @@ class CompiledFlux(torch.nn.Module):
         if self.graphs:
             out = out.clone()  # the sampler keeps outputs across steps; graph-owned memory is reused on replay
         self.stats.calls += 1
-        if first and unique_graphs() == graphs_before:
-            # dynamo ran this call without compiling (e.g. a recompile limit torch enforces beyond ours): say so,
-            # and count this shape's calls as eager rather than report them compiled
-            self.stats.uncompiled[key] = "dynamo made no graph for this shape (see TORCH_LOGS=recompiles)"
-            log.warning("FluxAccel: %s was not compiled (dynamo made no graph: TORCH_LOGS=recompiles says why); "
-                        "its calls run eagerly and are counted as eager_calls", key.describe())
-        if key in self.stats.uncompiled:
-            self.stats.eager_calls += 1
         if not first:
             self.stats.host_s.append(time.perf_counter() - t0)
             if events is not None:

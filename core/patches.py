@@ -40,7 +40,6 @@ def describe(model) -> dict:
                           "compile_seconds": {k.describe(): round(v, 2) for k, v in st.compile_seconds.items()},
                           "compile_phases_s": {k.describe(): v for k, v in st.compile_phases.items()},
                           "calls": st.calls, "graph_step_marks": st.marks, "eager_calls": st.eager_calls,
-                          "uncompiled_shapes": [k.describe() for k in st.uncompiled],
                           "cache_loaded": st.cache_loaded, "graph_skips": sum(st.graph_skips.values()),
                           "graphs_off_reason": st.graphs_off_reason,
                           **st.call_timings()}
