@@ -188,17 +188,26 @@ class _Fp8DeviceMove:
     """
 
     def _apply(self, fn, recurse=True):
+        """FP8 weights (a Float8Tensor, or the plain layout's float8 data and its fp8_weight_scale) move devices but
+        keep their dtypes: a dtype cast of the module (.to(torch.bfloat16), .half()) would turn FP8 data into plain
+        values without their scale. Everything else (the bias) follows fn as usual."""
         w = self._parameters.get("weight")
-        if w is None or not is_fp8_weight(w):
+        scale = self._buffers.get("fp8_weight_scale")
+        if w is None or not (is_fp8_weight(w) or scale is not None):
             return super()._apply(fn, recurse)
         del self._parameters["weight"]
+        if scale is not None:
+            del self._buffers["fp8_weight_scale"]
         try:
             super()._apply(fn, recurse)  # bias and anything else the usual way
         finally:
             target = fn(torch.empty(0, device=w.device)).device
             if target != w.device:
-                w = torch.nn.Parameter(w._apply_fn_to_data(lambda t: t.to(target)), requires_grad=False)
+                moved = w._apply_fn_to_data(lambda t: t.to(target)) if is_fp8_weight(w) else w.to(target)
+                w = torch.nn.Parameter(moved, requires_grad=False)
             self._parameters["weight"] = w
+            if scale is not None:
+                self._buffers["fp8_weight_scale"] = scale.to(target)
         return self
 
     def convert_weight(self, weight, inplace=False, **kwargs):
@@ -217,20 +226,6 @@ class _Fp8Plain(_Fp8DeviceMove):
     """The "plain" layout: weight = FP8 data (a plain float8 Parameter), buffer fp8_weight_scale = its scales; forward
     runs fp8_linear with the torchao kwargs kept from quantization. ComfyUI's per-call cast and weight-function
     paths are bypassed (the FP8 GEMM returns the activation dtype itself; weight patches are refused)."""
-
-    def _apply(self, fn, recurse=True):
-        """The FP8 data and its scales move devices but keep their dtypes: a dtype cast of the module
-        (module.to(torch.bfloat16), .half(), ...) would turn the FP8 data into plain values without their scale,
-        and the next forward would fail. Everything else (the bias) follows fn as usual."""
-        w, s = self._parameters.pop("weight"), self._buffers.pop("fp8_weight_scale")
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            target = fn(torch.empty(0, device=w.device)).device
-            self._parameters["weight"] = w if w.device == target else torch.nn.Parameter(w.to(target),
-                                                                                         requires_grad=False)
-            self._buffers["fp8_weight_scale"] = s.to(target)
-        return self
 
     def forward(self, x, *args, **kwargs):
         if self.weight_function or self.bias_function:

@@ -63,6 +63,16 @@ def init_random_(module: torch.nn.Module, seed: int = 0) -> None:
             p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32).mul_(0.02))
 
 
+def save_atomic(sd: dict, path: Path, metadata: dict | None = None) -> None:
+    """safetensors save under a per-process temporary name, then rename: two test sessions may write the same
+    (seeded) file at once."""
+    from safetensors.torch import save_file
+
+    tmp = Path(path).with_suffix(f".tmp{os.getpid()}")
+    save_file(sd, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
 def build_flux(shape: str = "tiny", dtype=torch.bfloat16, device="cpu", seed: int = 0):
     """A ComfyUI ModelPatcher around a random-weight FLUX built through comfy.supported_models.Flux."""
     import comfy.model_management
@@ -87,7 +97,6 @@ def write_flux_file(path: str | os.PathLike, shape: str = "e2e", seed: int = 0, 
     Written once: an existing file is kept. Built tensor by tensor on `device` so a FLUX.1-dev-sized file
     (24 GB) never needs two copies in host memory.
     """
-    from safetensors.torch import save_file
 
     path = Path(path)
     if path.exists():
@@ -110,9 +119,7 @@ def write_flux_file(path: str | os.PathLike, shape: str = "e2e", seed: int = 0, 
         # *_norm.scale on load (comfy/supported_models.py); 0.3.75 names them .scale
         key = name[: -len(".weight")] + ".scale" if name.endswith("_norm.weight") else name
         sd[key] = t.cpu().contiguous()
-    tmp = path.with_suffix(f".tmp{os.getpid()}")  # two test sessions may write the same (seeded) file at once
-    save_file(sd, str(tmp), metadata={"fluxaccel": f"random-weight FLUX shape={shape} seed={seed}"})
-    os.replace(tmp, path)
+    save_atomic(sd, path, metadata={"fluxaccel": f"random-weight FLUX shape={shape} seed={seed}"})
     log.info("wrote random-weight FLUX (%s) to %s", shape, path)
     return path
 
@@ -148,7 +155,7 @@ def write_scaled_fp8_file(path: str | os.PathLike, bf16_file: str | os.PathLike)
     import json
     import re
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     path = Path(path)
     if path.exists():
@@ -164,10 +171,8 @@ def write_scaled_fp8_file(path: str | os.PathLike, bf16_file: str | os.PathLike)
         sd[key] = (w.float() / scale).to(torch.float8_e4m3fn)
         sd[f"{layer}.weight_scale"] = scale.reshape(())
         layers[layer] = {"format": "float8_e4m3fn"}
-    tmp = path.with_suffix(f".tmp{os.getpid()}")  # two test sessions may write the same (seeded) file at once
-    save_file(sd, str(tmp), metadata={"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers}),
-                                      "fluxaccel": f"scaled-FP8 (per-tensor e4m3fn) copy of {Path(bf16_file).name}"})
-    os.replace(tmp, path)
+    save_atomic(sd, path, metadata={"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers}),
+                                    "fluxaccel": f"scaled-FP8 (per-tensor e4m3fn) copy of {Path(bf16_file).name}"})
     log.info("wrote scaled-FP8 FLUX (%d layers) to %s", len(layers), path)
     return path
 
@@ -180,7 +185,6 @@ def write_lora_file(path: str | os.PathLike, flux_file: str | os.PathLike, targe
     """A rank-4 LoRA in ComfyUI's generic format (diffusion_model.<layer>.lora_up/lora_down) for a FLUX file, strong
     enough to change its output clearly (entries of up @ down have ~2x the weight's spread)."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     path = Path(path)
     if path.exists():
@@ -195,7 +199,5 @@ def write_lora_file(path: str | os.PathLike, flux_file: str | os.PathLike, targe
             sd[f"diffusion_model.{name}.lora_up.weight"] = (torch.randn(w.shape[0], rank, generator=g) * s).bfloat16()
             sd[f"diffusion_model.{name}.lora_down.weight"] = (torch.randn(rank, w.shape[1], generator=g) * s).bfloat16()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    save_file(sd, str(tmp))
-    os.replace(tmp, path)
+    save_atomic(sd, path)
     return path

@@ -20,7 +20,6 @@ run() {  # host, pytest args...
   FLUXACCEL_COMFYUI=$h "${PYS[$h]}" -m pytest --durations=15 "$@"
 }
 status=0
-set -- "$@"
 if [ -n "${FLUXACCEL_TEST_SERIAL:-}" ] || [ "$(wc -w <<<"$HOSTS")" -eq 1 ]; then
   for h in $HOSTS; do run "$h" "$@" || status=$?; done
   exit $status

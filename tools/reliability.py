@@ -107,11 +107,9 @@ def main(argv=None) -> int:
 
     models = Path(a.models_dir)
     flux_file = write_flux_file(models / "diffusion_models" / UNET, "e2e", device="cuda" if gpu else "cpu")
-    from core.test_models import write_lora_file
+    from core.test_models import write_lora_file, write_scaled_fp8_file
 
     write_lora_file(models / "loras" / LORA, flux_file)
-    from core.test_models import write_scaled_fp8_file
-
     write_scaled_fp8_file(models / "diffusion_models" / SCALED_UNET, flux_file)
     args, env = (a.server_arg, {}) if gpu else (list(host.CPU_SERVER_ARGS), {"FLUXACCEL_ALLOW_CPU_FP8": "1"})
     cases: dict[str, dict] = {}

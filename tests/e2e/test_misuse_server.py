@@ -21,7 +21,7 @@ SD3_UNET = "fluxaccel-random-sd3-tiny.safetensors"
 def sd3_file():
     """A tiny SD3 (MMDiT) diffusion model that ComfyUI's UNETLoader detects as SD3: a non-FLUX MODEL."""
     import comfy.supported_models
-    from safetensors.torch import save_file
+    from core.test_models import save_atomic
 
     path = MODELS_DIR / "diffusion_models" / SD3_UNET
     if not path.exists():
@@ -33,9 +33,7 @@ def sd3_file():
         g = torch.Generator().manual_seed(0)
         sd = {k: (torch.randn(v.shape, generator=g) * 0.02).to(torch.bfloat16) for k, v in dm.state_dict().items()}
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")  # the other host's suite may write it at the same time
-        save_file(sd, str(tmp))
-        os.replace(tmp, path)
+        save_atomic(sd, path)
     return path
 
 
