@@ -113,6 +113,22 @@ def cudagraph_skips() -> int:
     return int(counters["inductor"]["cudagraph_skips"])
 
 
+def graph_recordings(device: torch.device) -> tuple[int, int] | None:
+    """(CUDA graphs recorded, re-recordings counted toward triton.cudagraph_unexpected_rerecord_limit) by inductor's
+    cudagraph-trees manager of this thread and device so far; None where there is none yet or torch does not expose
+    them (read from its manager: torch has no public counter). A call during which the first number moves recorded a
+    graph; past the limit a function runs without graphs (and cudagraph_skips moves once)."""
+    try:
+        from torch._inductor import cudagraph_trees
+
+        mgr = cudagraph_trees.get_manager(torch.device(device).index or 0, create_if_none_exists=False)
+        if mgr is None:
+            return None
+        return int(mgr.debug_fail_counter), sum(sum(d.values()) for d in mgr.num_rerecord.values())
+    except (AttributeError, ImportError, TypeError):
+        return None
+
+
 # dynamo's timed phases of one compile (seconds summed over its sub-calls): where a first run's compile time goes
 PHASES: tuple[str, ...] = ("bytecode_tracing", "create_aot_dispatcher_function", "GraphLowering.run",
                            "GraphLowering.codegen", "async_compile.wait", "PyCodeCache.load_by_key_path",
@@ -164,6 +180,11 @@ class CompileStats:
     cache_loaded: bool = False
     graph_skips: dict[ShapeKey, int] = field(default_factory=dict)  # inductor's cudagraph_skips at each compile
     graphs_off_reason: str = ""  # CUDA graphs asked for but not possible in this process (compile_patch.py)
+    # warm calls: per shape, the calls during which inductor recorded CUDA graphs (1 expected: the first recording;
+    # more are re-recordings, e.g. weights at new addresses after ComfyUI reloaded the model) and the reason graphs
+    # stopped (inductor's re-record limit: it then runs the compiled graph without CUDA graphs)
+    recording_calls: dict[ShapeKey, int] = field(default_factory=dict)
+    graphs_lost: dict[ShapeKey, str] = field(default_factory=dict)
     compile_phases: dict[ShapeKey, dict[str, float]] = field(default_factory=dict)  # PHASES seconds per compile
     # last warm calls: host seconds spent inside the call (graph replay is asynchronous, so on a GPU this is the
     # launch overhead: guards, input checks, replay) and (start, end) CUDA events around it (device time)
@@ -176,8 +197,12 @@ class CompileStats:
         skips) stays shared, so a shape one of them compiled is not 'compiled' again by the other."""
         new = CompileStats(**{f: getattr(self, f) for f in self.__dataclass_fields__})
         new.shapes = list(self.shapes)
+        new.recording_calls, new.graphs_lost = dict(self.recording_calls), dict(self.graphs_lost)
         new.host_s, new.device_events = deque(self.host_s, maxlen=256), deque(self.device_events, maxlen=256)
         return new
+
+    def rerecords(self) -> int:
+        return sum(max(0, n - 1) for n in self.recording_calls.values())
 
     def call_timings(self) -> dict:
         """Median host and device milliseconds per warm compiled call (synchronizes once to read the events)."""
@@ -232,6 +257,11 @@ class CompiledFlux(torch.nn.Module):
     def graphs_active(self) -> bool:
         """CUDA graphs asked for and possible here (they are CUDA-only; on the CPU the option is ignored)."""
         return self.cfg.cuda_graphs and self.device.type == "cuda"
+
+    @property
+    def graphs_running(self) -> bool:
+        """graphs_active, and inductor has not dropped them for any shape (at compile or past its re-record limit)."""
+        return self.graphs_active and not self.stats.graph_skips and not self.stats.graphs_lost
 
     def derive(self) -> "CompiledFlux":
         """A CompiledFlux for a downstream node's output (Warmup): the same compiled callable, compile cache and block
@@ -308,7 +338,8 @@ class CompiledFlux(torch.nn.Module):
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         t0 = time.perf_counter()
-        skips_before = cudagraph_skips() if first else 0
+        skips_before = cudagraph_skips() if first or self.graphs_active else 0
+        rec_before = graph_recordings(self.device) if not first and self.graphs_active else None
         phases_before = _phase_totals() if first else None
         if self.graphs:
             # A new CUDA-graph step per model call: outputs of the previous call may be overwritten from here on,
@@ -329,6 +360,8 @@ class CompiledFlux(torch.nn.Module):
             if events is not None:
                 events[1].record()
                 self.stats.device_events.append(events)
+            if self.graphs_active:
+                self._watch_graphs(key, skips_before, rec_before)
         else:
             if out.is_cuda:
                 torch.cuda.synchronize(out.device)
@@ -348,3 +381,27 @@ class CompiledFlux(torch.nn.Module):
             if self.on_compiled is not None:
                 self.on_compiled(self)
         return out
+
+    def _watch_graphs(self, key: ShapeKey, skips_before: int, rec_before: tuple[int, int] | None) -> None:
+        """After a warm call with CUDA graphs: count the calls that (re-)recorded graphs, warn as inductor's re-record
+        limit nears, and mark the shape's graphs lost (stats, label, badge, log) once inductor stopped using them."""
+        st = self.stats
+        rec_after = graph_recordings(self.device)
+        if rec_before is not None and rec_after is not None and rec_after[0] > rec_before[0]:
+            st.recording_calls[key] = st.recording_calls.get(key, 0) + 1
+            n = st.recording_calls[key] - 1
+            limit = torch._inductor.config.triton.cudagraph_unexpected_rerecord_limit
+            if n and (n == 1 or n % 16 == 0):
+                log.warning("FluxAccel: CUDA graphs of %s re-recorded (%d time(s); inductor counts %d re-recording(s) "
+                            "toward triton.cudagraph_unexpected_rerecord_limit = %d, past which it runs without "
+                            "graphs): the model's weights moved, e.g. ComfyUI unloaded and reloaded it.",
+                            key.describe(), n, rec_after[1], limit)
+        if cudagraph_skips() > skips_before and key not in st.graphs_lost:
+            st.graphs_lost[key] = (
+                "inductor stopped using CUDA graphs for this shape after "
+                f"{st.recording_calls.get(key, 1) - 1} re-recording(s) (its triton.cudagraph_unexpected_rerecord_limit"
+                "; TORCH_LOGS=perf_hints says why): it runs compiled without graphs. Restart ComfyUI, or keep the "
+                "model loaded (fewer /free or model switches), to get graphs back")
+            log.warning("FluxAccel: %s: %s", key.describe(), st.graphs_lost[key])
+            if self.on_compiled is not None:
+                self.on_compiled(self)

@@ -16,7 +16,7 @@ def label(model) -> str:
         name = f"fp8-{granularity}" + ("-plain" if layout == "plain" else "") + ("" if scope == "blocks" else f"-{scope}")
     c = compiled_of(model)
     if c is not None:
-        name += "+compile" + ("+graphs" if c.graphs_active else "")  # only where graphs run (CUDA, no fallback)
+        name += "+compile" + ("+graphs" if c.graphs_running else "")  # only where graphs run (CUDA, none dropped)
         if c.cfg.block_regions:
             name += "+regions"
         if c.cfg.mode != "default":
@@ -42,6 +42,8 @@ def describe(model) -> dict:
                           "calls": st.calls, "graph_step_marks": st.marks, "eager_calls": st.eager_calls,
                           "cache_loaded": st.cache_loaded, "graph_skips": sum(st.graph_skips.values()),
                           "graphs_off_reason": st.graphs_off_reason,
+                          "graph_rerecords": st.rerecords(),
+                          "graphs_lost": {k.describe(): v for k, v in st.graphs_lost.items()},
                           **st.call_timings()}
     return out
 

@@ -22,7 +22,8 @@ def compiled_notifier(node_id: str | None):
                 "node": str(node_id),
                 "shapes": [k.describe() for k in st.shapes],
                 "short": [f"{k.width * 8}x{k.height * 8} b{k.batch} t{k.text_len}" for k in st.compile_seconds],
-                "graphs": compiled.graphs_active and not st.graph_skips,
+                "graphs": compiled.graphs_running,
+                "graphs_lost": "; ".join(f"{k.describe()}: {v}" for k, v in st.graphs_lost.items()),
                 "graphs_off": "cudaMallocAsync: start ComfyUI with --disable-cuda-malloc" if st.graphs_off_reason else "",
                 "compile_seconds": [round(v, 1) for v in st.compile_seconds.values()],
             })

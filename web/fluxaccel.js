@@ -26,7 +26,10 @@ window.__fluxaccel = { badges, toasts: [] }; // read by the browser test
 
 function badgeText(b) {
   const parts = [b.shapes?.length ? b.shapes.join(", ") : "compiles on first use"];
-  if (b.graphs !== undefined) parts.push(b.graphs ? "CUDA graphs on" : b.graphsOff ? `CUDA graphs off (${b.graphsOff})` : "CUDA graphs off");
+  if (b.graphs !== undefined) {
+    parts.push(b.graphs ? "CUDA graphs on" : b.graphsOff ? `CUDA graphs off (${b.graphsOff})`
+      : b.graphsLost ? "CUDA graphs lost (re-record limit)" : "CUDA graphs off");
+  }
   if (b.speedup) parts.push(`${b.speedup.toFixed(2)}x vs eager`);
   return parts.join(" | ");
 }
@@ -57,7 +60,8 @@ function toast(summary, detail) {
 }
 
 api.addEventListener("fluxaccel.compiled", ({ detail }) => {
-  updateBadge(detail.node, { shapes: detail.short, graphs: detail.graphs, graphsOff: detail.graphs_off });
+  updateBadge(detail.node, { shapes: detail.short, graphs: detail.graphs, graphsOff: detail.graphs_off,
+                             graphsLost: detail.graphs_lost });
 });
 
 api.addEventListener("execution_error", ({ detail }) => {
