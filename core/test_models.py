@@ -88,7 +88,11 @@ def build_flux(shape: str = "tiny", dtype=torch.bfloat16, device="cpu", seed: in
     init_random_(model.diffusion_model, seed)
     model.diffusion_model.eval()
     offload = comfy.model_management.unet_offload_device()
-    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device(device), offload_device=offload)
+    load = torch.device(device)
+    if load.type == "cuda" and load.index is None:
+        load = comfy.model_management.get_torch_device()  # cuda:0, as ComfyUI's loaders set it ("cuda" != "cuda:0"
+        # to its memory manager, which would then never unload the model)
+    return comfy.model_patcher.ModelPatcher(model, load_device=load, offload_device=offload)
 
 
 def write_flux_file(path: str | os.PathLike, shape: str = "e2e", seed: int = 0, device="cpu") -> Path:

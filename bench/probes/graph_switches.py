@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(calls: int, device: str = "cuda", shape: str = "e2e") -> dict:
+def run(calls: int, device: str = "cuda", shape: str = "e2e", scenarios=("switch", "reload")) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -98,8 +98,15 @@ def run(calls: int, device: str = "cuda", shape: str = "e2e") -> dict:
             print("PROBE", name, json.dumps(res), flush=True)
             return res
 
-        out["scenarios"]["switch"] = scenario("switch", [fp8c, bf16c])
-        out["scenarios"]["reload"] = scenario("reload", [bf16c], before_call=mm.unload_all_models)
+        def unload():
+            mm.unload_all_models()
+            if not gpu or base.model.diffusion_model.img_in.weight.device.type != "cpu":
+                raise RuntimeError("unload_all_models left the weights on the GPU: the reload scenario would not move them")
+
+        if "switch" in scenarios:
+            out["scenarios"]["switch"] = scenario("switch", [fp8c, bf16c])
+        if "reload" in scenarios:
+            out["scenarios"]["reload"] = scenario("reload", [bf16c], before_call=unload)
     return out
 
 
@@ -109,10 +116,11 @@ def main() -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no graphs there)")
     ap.add_argument("--shape", default="e2e")
+    ap.add_argument("--scenario", action="append", choices=("switch", "reload"), help="default: both")
     a = ap.parse_args()
     if a.device == "cpu":
         os.environ["FLUXACCEL_ALLOW_CPU_FP8"] = "1"  # a tool run: torchao's GPU gate lifted for CPU tensors
-    res = run(a.calls, a.device, a.shape)
+    res = run(a.calls, a.device, a.shape, tuple(a.scenario or ("switch", "reload")))
     res["command"] = "python3 bench/probes/graph_switches.py " + " ".join(sys.argv[1:])
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "nvidia-h200-graph-switches.json").write_text(json.dumps(res, indent=2) + "\n")
