@@ -100,7 +100,7 @@ def run(calls: int, device: str = "cuda", shape: str = "e2e", scenarios=("switch
 
         def unload():
             mm.unload_all_models()
-            if not gpu or base.model.diffusion_model.img_in.weight.device.type != "cpu":
+            if gpu and base.model.diffusion_model.img_in.weight.device.type != "cpu":
                 raise RuntimeError("unload_all_models left the weights on the GPU: the reload scenario would not move them")
 
         if "switch" in scenarios:
