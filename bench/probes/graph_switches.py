@@ -7,8 +7,9 @@ load_models_gpu and apply_model with the model's wrappers (as the sampler and th
 
   switch:  an FP8 (per-row, plain) compiled clone and a bf16 compiled clone of one loaded model, alternating
            (ComfyUI swaps the clones' patches on the same module tree)
-  reload:  one compiled model, mm.unload_all_models() before every call (what /free does): its weights come back
-           at new addresses
+  reload:  one compiled model, mm.unload_all_models() before every call (what /free does)
+  reload_moved: the same, with 64 MB more GPU memory held before each reload (other models, the VAE): the weights
+           come back at addresses no earlier recording used
 
 Per scenario: torch's own counts (graphs recorded, re-recordings counted toward the limit, cudagraph_skips) next to
 FluxAccel's stats (re-recordings, graphs lost, label, graphs_running), and every output against the first one.
@@ -104,10 +105,20 @@ def run(calls: int, device: str = "cuda", shape: str = "e2e", scenarios=("switch
             if was_loaded and gpu and base.model.diffusion_model.img_in.weight.device.type != "cpu":
                 raise RuntimeError("unload_all_models left the weights on the GPU: the reload scenario would not move them")
 
+        spacers = []
+
+        def unload_elsewhere():
+            # as in a server where the VAE, text encoders or other models took memory meanwhile: 64 MB more held
+            # each time, so the reloaded weights land at addresses no earlier recording used
+            unload()
+            spacers.append(torch.empty(64 << 20, dtype=torch.uint8, device=dev))
+
         if "switch" in scenarios:
             out["scenarios"]["switch"] = scenario("switch", [fp8c, bf16c])
         if "reload" in scenarios:
             out["scenarios"]["reload"] = scenario("reload", [bf16c], before_call=unload)
+        if "reload_moved" in scenarios:
+            out["scenarios"]["reload_moved"] = scenario("reload_moved", [bf16c], before_call=unload_elsewhere)
     return out
 
 
@@ -117,7 +128,7 @@ def main() -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no graphs there)")
     ap.add_argument("--shape", default="e2e")
-    ap.add_argument("--scenario", action="append", choices=("switch", "reload"), help="default: both")
+    ap.add_argument("--scenario", action="append", choices=("switch", "reload", "reload_moved"), help="default: both")
     a = ap.parse_args()
     if a.device == "cpu":
         os.environ["FLUXACCEL_ALLOW_CPU_FP8"] = "1"  # a tool run: torchao's GPU gate lifted for CPU tensors
