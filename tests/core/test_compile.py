@@ -208,6 +208,51 @@ def test_cuda_graph_skips_at_compile_are_reported(tiny_flux, counters, monkeypat
     assert describe(model)["compile"]["graph_skips"] == skips
 
 
+def test_graph_rerecords_and_graphs_dropped_later_are_reported(tiny_flux, counters, monkeypatch, caplog):
+    """After the compile: calls that re-record CUDA graphs are counted (weights moved), and a call during which
+    inductor gives graphs up (past its re-record limit cudagraph_skips moves once) marks the shape's graphs lost:
+    stats, label (no '+graphs'), describe() and the editor badge say so, with a warning. Simulated on the CPU as
+    inductor's cudagraph-trees manager would count (the H200 run is bench/results/nvidia-h200-graph-switches.json)."""
+    import core.compile as cc
+    from core.compile import CompiledFlux
+    from core.patches import describe, label
+
+    monkeypatch.setattr(CompiledFlux, "graphs_active", property(lambda self: True))
+    manager = {"recorded": 0, "counted": 0}
+    monkeypatch.setattr(cc, "graph_recordings", lambda device: (manager["recorded"], manager["counted"]))
+    model, compiled = apply_compile(tiny_flux, CompileConfig(cuda_graphs=True))
+    badge = []
+    compiled.on_compiled = lambda c: badge.append(c.graphs_running)
+    inner = compiled._compiled
+    plan = iter([(0, 0), (1, 0), (0, 0), (1, 1), (1, 1), (0, 0), (1, 0), (0, 0)])  # per call: recorded?, skip?
+
+    def call(*a, **k):
+        rec, skip = next(plan)
+        manager["recorded"] += rec
+        manager["counted"] += rec
+        counters["inductor"]["cudagraph_skips"] += skip
+        return inner(*a, **k)
+
+    object.__setattr__(compiled, "_compiled", call)
+    with caplog.at_level("WARNING", logger="fluxaccel.compile"):
+        for i in range(3):
+            _denoise_once(model)  # compile, first recording, a plain replay
+        assert compiled.stats.rerecords() == 0 and compiled.graphs_running and "+graphs" in label(model)
+        for i in range(5):
+            _denoise_once(model)
+    st = compiled.stats
+    assert st.rerecords() == 3 and len(st.graphs_lost) == 1  # calls 4, 5, 7 re-recorded; graphs gone at call 4
+    lost = next(iter(st.graphs_lost.values()))
+    assert "triton.cudagraph_unexpected_rerecord_limit" in lost and "runs compiled without graphs" in lost
+    assert not compiled.graphs_running and "+graphs" not in label(model) and "+compile" in label(model)
+    d = describe(model)["compile"]
+    assert d["graph_rerecords"] == 3 and list(d["graphs_lost"].values()) == [lost]
+    assert badge[-1] is False and badge.count(False) == 1  # the editor is told once, when it happens
+    msgs = [r.getMessage() for r in caplog.records]
+    assert sum("re-recorded" in m for m in msgs) == 1  # the first re-recording warns; then every 16th
+    assert sum("stopped using CUDA graphs" in m for m in msgs) == 1
+
+
 def test_per_call_timings_stay_bounded_over_many_calls(tiny_flux, counters):
     """Host times per call are a bounded window (the last 256 calls), not a list that grows with every step."""
     from core.compile import CompiledFlux
