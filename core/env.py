@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
-import os
 import subprocess
 import sys
 
@@ -21,7 +20,6 @@ TORCH_MIN = (2, 8)
 TORCHAO_MIN = (0, 17)
 TORCHAO_MAX_EXCLUSIVE = (0, 19)
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89), Hopper (sm_90), Blackwell: hardware FP8 GEMMs
-CPU_FP8_ENV = "FLUXACCEL_ALLOW_CPU_FP8"
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -68,12 +66,19 @@ def require_torchao():
     return torchao
 
 
-def cpu_fp8_allowed() -> bool:
-    """CPU FP8 runs torchao's real Float8Tensor path through torch._scaled_mm's CPU kernel.
+def torchao_fp8_here() -> bool:
+    """Whether torchao's own hardware gate (asked by its quantize_) accepts dynamic FP8 in this process. False on a
+    CPU-only machine; tests and tools lift the gate for CPU runs (tools/cpu_fp8.py), the plugin never does."""
+    try:
+        from torchao.float8.inference import _check_hardware_support
+        from torchao.quantization.granularity import PerTensor
+        import torchao.quantization.quant_api as qa
 
-    It is slow and exists for tests and the CPU demo only, so it is opt-in by environment variable.
-    """
-    return os.environ.get(CPU_FP8_ENV, "") not in ("", "0", "false", "False")
+        gate = getattr(qa, "_check_hardware_support", _check_hardware_support)
+        gate((PerTensor(), PerTensor()))
+        return True
+    except (AssertionError, ImportError, AttributeError):
+        return False
 
 
 def require_fp8_device(device: torch.device) -> None:
@@ -89,12 +94,11 @@ def require_fp8_device(device: torch.device) -> None:
                 f"Remove the Quantize FP8 node on this GPU (Compile + CUDA Graph still works in bf16)."
             )
         return
-    if device.type == "cpu" and cpu_fp8_allowed():
+    if device.type == "cpu" and torchao_fp8_here():
         return
     raise FluxAccelError(
         f"FP8 quantization runs on NVIDIA GPUs of compute capability 8.9+, but this model loads on "
-        f"'{device}'. Run ComfyUI on such a GPU, or remove the Quantize FP8 node. "
-        f"(For tests and demos only, {CPU_FP8_ENV}=1 emulates FP8 on the CPU, slowly.)"
+        f"'{device}'. Run ComfyUI on such a GPU, or remove the Quantize FP8 node."
     )
 
 

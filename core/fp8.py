@@ -9,7 +9,6 @@ compiled model takes no tensor-subclass inputs (no per-call flatten/unflatten or
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import re
 from dataclasses import dataclass, field
@@ -160,23 +159,6 @@ def fp8_linear(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, bia
     return out.reshape(*x.shape[:-1], w_data.shape[0])
 
 
-@contextlib.contextmanager
-def _cpu_gate_lifted(device: torch.device):
-    """torchao refuses FP8 off-GPU by a capability gate; on the CPU (opt-in, see env.cpu_fp8_allowed)
-    lift only that gate, for this call only, so the real Float8Tensor path runs via torch._scaled_mm."""
-    if torch.device(device).type != "cpu":
-        yield
-        return
-    import torchao.quantization.quant_api as qa
-
-    orig = qa._check_hardware_support
-    qa._check_hardware_support = lambda granularities: None
-    try:
-        yield
-    finally:
-        qa._check_hardware_support = orig
-
-
 class _Fp8DeviceMove:
     """Mixin for quantized Linears: moves an FP8 weight by moving its plain tensors (qdata, scale), and refuses
     weight patches that arrive after quantization (see convert_weight).
@@ -296,7 +278,7 @@ def quantize_linear(linear: torch.nn.Linear, cfg: Fp8Config, device: torch.devic
 
     device = torch.device(device)
     new = _detached_copy(linear, device, compute_dtype, params)
-    with _cpu_gate_lifted(device), torch.no_grad():
+    with torch.no_grad():
         quantize_(new, cfg.torchao_config())
     if not is_fp8_weight(new.weight):
         raise FluxAccelError(f"torchao left a {tuple(linear.weight.shape)} Linear unquantized; report this as a bug.")

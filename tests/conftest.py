@@ -1,10 +1,9 @@
 """Test set-up: a real ComfyUI (tools/host.py) importable in-process, on the CPU.
 
-CPU FP8: torchao refuses FP8 off-GPU by one capability gate (quant_api._check_hardware_support). The
-`cpu_fp8` fixture sets FLUXACCEL_ALLOW_CPU_FP8=1, which makes core.fp8 lift exactly that gate, only around
-its own quantize_ call and only for CPU tensors; everything else (Float8Tensor, torch._scaled_mm's CPU
-kernel, the dispatch of F.linear) is torchao's and torch's real code, so numerics are those of the GPU
-recipe up to the GEMM accumulation order.
+CPU FP8: torchao refuses FP8 off-GPU by one capability gate (_check_hardware_support). The `cpu_fp8` fixture
+lifts exactly that gate for one test (tools/cpu_fp8.py; the plugin never does); everything else (Float8Tensor,
+torch._scaled_mm's CPU kernel, the dispatch of F.linear) is torchao's and torch's real code, so numerics are those
+of the GPU recipe up to the GEMM accumulation order. CPU servers get the same through ComfyServer(cpu_fp8=True).
 """
 from __future__ import annotations
 
@@ -34,8 +33,10 @@ def _private_compile_cache(tmp_path_factory):
 
 @pytest.fixture
 def cpu_fp8(monkeypatch):
-    """Opt in to CPU FP8 (lifts torchao's GPU-capability gate inside core.fp8 only; see module docstring)."""
-    monkeypatch.setenv("FLUXACCEL_ALLOW_CPU_FP8", "1")
+    """CPU FP8 for this test: torchao's GPU-capability gate lifted (see module docstring)."""
+    from tools.cpu_fp8 import lift_torchao_gate
+
+    lift_torchao_gate(monkeypatch)
 
 
 @pytest.fixture

@@ -189,12 +189,10 @@ def main(argv=None) -> int:
     server_args = list(a.server_arg)
     if gpu:
         server_args += [f for f in WORKFLOWS[a.suite][1] if f not in server_args]
-    env = {}
     if not gpu:
         # No GPU: ComfyUI on the CPU in bf16; FP8 through torchao's real Float8Tensor path on the CPU (slow,
-        # a functional demo, not a speedup).
+        # a functional demo, not a speedup; the server loads tools/cpu_fp8_node, which lifts torchao's GPU gate).
         server_args += list(host.CPU_SERVER_ARGS)
-        env["FLUXACCEL_ALLOW_CPU_FP8"] = "1"
     prompt = build_prompt(case, unet_name, runs, a.suite)
     if a.only:
         prompt = {k: v for k, v in prompt.items()
@@ -228,7 +226,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     with tempfile.TemporaryDirectory(prefix="fluxaccel-bench-") as work:
-        server = ComfyServer(comfy_dir, Path(work), models_dir, tuple(server_args), env=env)
+        server = ComfyServer(comfy_dir, Path(work), models_dir, tuple(server_args), cpu_fp8=not gpu)
         try:
             server.start()
             bars: dict[str, tqdm] = {}

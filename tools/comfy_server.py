@@ -39,6 +39,9 @@ class PromptFailed(RuntimeError):
         self.exception_message = exception_message
 
 
+CPU_FP8_NODES = Path(__file__).resolve().parent / "cpu_fp8_node"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -47,8 +50,10 @@ def free_port() -> int:
 
 class ComfyServer:
     def __init__(self, comfy_dir: Path, workdir: Path, models_dir: Path, extra_args: tuple[str, ...] = (),
-                 env: dict | None = None, port: int | None = None):
+                 env: dict | None = None, port: int | None = None, cpu_fp8: bool = False):
+        """cpu_fp8: the server also loads tools/cpu_fp8_node (lifts torchao's FP8 gate for a CPU test or demo)."""
         self.comfy_dir, self.workdir, self.models_dir = Path(comfy_dir), Path(workdir), Path(models_dir)
+        self.cpu_fp8 = cpu_fp8
         self.extra_args, self.env = list(extra_args), env
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -66,8 +71,10 @@ class ComfyServer:
         for sub in ("output", "input", "temp", "user"):
             (self.workdir / sub).mkdir(exist_ok=True)
         paths = self.workdir / "extra_model_paths.yaml"
-        paths.write_text(f"fluxaccel:\n  base_path: {self.models_dir}\n  diffusion_models: diffusion_models\n"
-                         f"  loras: loras\n")
+        text = f"fluxaccel:\n  base_path: {self.models_dir}\n  diffusion_models: diffusion_models\n  loras: loras\n"
+        if self.cpu_fp8:
+            text += f"  custom_nodes: {CPU_FP8_NODES}\n"
+        paths.write_text(text)
         cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(self.port),
                "--output-directory", str(self.workdir / "output"), "--input-directory", str(self.workdir / "input"),
                "--temp-directory", str(self.workdir / "temp"), "--user-directory", str(self.workdir / "user"),

@@ -111,10 +111,10 @@ def main(argv=None) -> int:
 
     write_lora_file(models / "loras" / LORA, flux_file)
     write_scaled_fp8_file(models / "diffusion_models" / SCALED_UNET, flux_file)
-    args, env = (a.server_arg, {}) if gpu else (list(host.CPU_SERVER_ARGS), {"FLUXACCEL_ALLOW_CPU_FP8": "1"})
+    args = a.server_arg if gpu else list(host.CPU_SERVER_ARGS)
     cases: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="fluxaccel-rel-") as work:
-        srv = ComfyServer(comfy_dir, Path(work), models, tuple(args), env=env).start()
+        srv = ComfyServer(comfy_dir, Path(work), models, tuple(args), cpu_fp8=not gpu).start()
         try:
             run = lambda seed, tag, n=steps: srv.run(prompt(seed, n, size, text_length, tag))  # noqa: E731
             plain_ref = srv.saved_latent(srv.run(plain_prompt(1, steps, size, text_length, "plain-ref")), "7")

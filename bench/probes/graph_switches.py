@@ -131,7 +131,10 @@ def main() -> int:
     ap.add_argument("--scenario", action="append", choices=("switch", "reload", "reload_moved"), help="default: both")
     a = ap.parse_args()
     if a.device == "cpu":
-        os.environ["FLUXACCEL_ALLOW_CPU_FP8"] = "1"  # a tool run: torchao's GPU gate lifted for CPU tensors
+        sys.path.insert(0, str(ROOT))
+        from tools.cpu_fp8 import lift_torchao_gate
+
+        lift_torchao_gate()  # a tool run: torchao's GPU gate lifted for the CPU
     res = run(a.calls, a.device, a.shape, tuple(a.scenario or ("switch", "reload")))
     res["command"] = "python3 bench/probes/graph_switches.py " + " ".join(sys.argv[1:])
     Path(a.out).mkdir(parents=True, exist_ok=True)

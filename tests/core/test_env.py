@@ -51,11 +51,17 @@ def test_gpu_capability_gate(monkeypatch, cap, ok):
             env.require_fp8_device(torch.device("cuda", 0))
 
 
-def test_cpu_needs_explicit_opt_in(monkeypatch):
-    monkeypatch.delenv(env.CPU_FP8_ENV, raising=False)
+def test_cpu_fp8_is_refused_unless_torchao_allows_it(monkeypatch):
+    """The plugin asks torchao's own hardware gate: on a CPU-only machine it refuses, and no setting of the plugin
+    turns that off (tests and tools lift torchao's gate themselves: tools/cpu_fp8.py)."""
+    monkeypatch.setenv("FLUXACCEL_ALLOW_CPU_FP8", "1")  # the old opt-in variable does nothing any more
+    assert not env.torchao_fp8_here()
     with pytest.raises(FluxAccelError, match="NVIDIA GPUs of compute capability 8.9\\+.*'cpu'"):
         env.require_fp8_device(torch.device("cpu"))
-    monkeypatch.setenv(env.CPU_FP8_ENV, "1")
+    from tools.cpu_fp8 import lift_torchao_gate
+
+    lift_torchao_gate(monkeypatch)
+    assert env.torchao_fp8_here()
     env.require_fp8_device(torch.device("cpu"))
 
 

@@ -22,8 +22,9 @@ def e2e_model_file():
 @pytest.fixture(scope="session")
 def server(e2e_model_file):
     work = Path(tempfile.mkdtemp(prefix="fluxaccel-e2e-"))
-    # CPU ComfyUI in bf16, FP8 via torchao's real Float8Tensor path on the CPU (opt-in env, see tests/conftest.py)
-    srv = ComfyServer(COMFY_DIR, work, MODELS_DIR, CPU_SERVER_ARGS, env={"FLUXACCEL_ALLOW_CPU_FP8": "1"})
+    # CPU ComfyUI in bf16, FP8 via torchao's real Float8Tensor path on the CPU (tools/cpu_fp8.py: a test-only
+    # custom node lifts torchao's gate in this server)
+    srv = ComfyServer(COMFY_DIR, work, MODELS_DIR, CPU_SERVER_ARGS, cpu_fp8=True)
     srv.start()
     yield srv
     srv.stop()

@@ -41,8 +41,8 @@ def _server_with_startup_hook(prefix: str, hook: str) -> ComfyServer:
     site = work / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(hook)  # imported by Python at start-up, before ComfyUI
-    env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "FLUXACCEL_ALLOW_CPU_FP8": "1"}
-    return ComfyServer(COMFY_DIR, work, MODELS_DIR, CPU_SERVER_ARGS, env=env).start()
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return ComfyServer(COMFY_DIR, work, MODELS_DIR, CPU_SERVER_ARGS, env=env, cpu_fp8=True).start()
 
 
 @pytest.fixture(scope="module")
