@@ -12,6 +12,7 @@ Recipe, in order (each step's why):
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import statistics
 import time
@@ -99,11 +100,18 @@ def shape_key(x: torch.Tensor, context: torch.Tensor | None) -> ShapeKey:
 RECOMPILE_LIMIT = 1024
 
 
+@functools.cache
+def _budget() -> dict[str, int]:
+    import torch._dynamo.config as dc
+
+    return {k: max(getattr(dc, k), RECOMPILE_LIMIT) for k in ("recompile_limit", "accumulated_recompile_limit")
+            if hasattr(dc, k)}
+
+
 def recompile_budget():
     import torch._dynamo.config as dc
 
-    return dc.patch(**{k: max(getattr(dc, k), RECOMPILE_LIMIT)
-                       for k in ("recompile_limit", "accumulated_recompile_limit") if hasattr(dc, k)})
+    return dc.patch(**_budget())
 
 
 def cudagraph_skips() -> int:
@@ -312,7 +320,17 @@ class CompiledFlux(torch.nn.Module):
             f"(or add the shape in the Warmup node), or 'eager_fallback' on the Compile node.")
 
     def forward(self, x, timestep, context=None, control=None, transformer_options={}, **kwargs):
-        dm = self._dm
+        key = self._admit(x, context, control, transformer_options, kwargs)
+        if key is None:  # eager_fallback for a shape that is not compiled: counted, and logged by allow_shape
+            self.stats.eager_calls += 1
+            return self._dm(x, timestep, context=context, transformer_options=transformer_options, **kwargs)
+        if key not in self.stats.compile_seconds:
+            return self._first_call(key, x, timestep, context, transformer_options, kwargs)
+        return self._warm_call(key, x, timestep, context, transformer_options, kwargs)
+
+    # -- shape policy: what may run compiled -------------------------------------------------------------------
+    def _admit(self, x, context, control, transformer_options, kwargs) -> ShapeKey | None:
+        """Refuse what the compiled graph cannot honour; the call's shape if it runs compiled, None if eager."""
         if control is not None:
             raise FluxAccelError("ControlNet inputs are not supported by the compiled FLUX model yet: bypass the "
                                  "Compile node (FluxAccel) when using ControlNet.")
@@ -329,57 +347,68 @@ class CompiledFlux(torch.nn.Module):
                                  "ref_latents_method 'index_timestep_zero' (per-token modulation inside the blocks). "
                                  "Turn block_regions off on the Compile node (FluxAccel) for this workflow.")
         key = shape_key(x, context)
-        if not self.allow_shape(key):
-            self.stats.eager_calls += 1
-            return dm(x, timestep, context=context, transformer_options=transformer_options, **kwargs)
-        first = key not in self.stats.compile_seconds
-        events = None
-        if not first and x.is_cuda:
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
-        t0 = time.perf_counter()
-        skips_before = cudagraph_skips() if first or self.graphs_active else 0
-        rec_before = graph_recordings(self.device) if not first and self.graphs_active else None
-        phases_before = _phase_totals() if first else None
+        return key if self.allow_shape(key) else None
+
+    # -- runner: mark a graph step, call the compiled model, copy the output -----------------------------------
+    def _run(self, x, timestep, context, transformer_options, kwargs, recording=contextlib.nullcontext()):
         if self.graphs:
             # A new CUDA-graph step per model call: outputs of the previous call may be overwritten from here on,
             # which is safe because we return a copy below.
             torch.compiler.cudagraph_mark_step_begin()
             self.stats.marks += 1
-        # plain-torch RoPE, fused by inductor (ComfyUI 0.33's is an opaque kitchen op: rope.py); a first call's
-        # compile artifacts are recorded for this model's cache file only (compile_cache.py)
-        recording = self.cache.recording() if first and self.cache is not None else contextlib.nullcontext()
+        # plain-torch RoPE, fused by inductor (ComfyUI 0.33's is an opaque kitchen op: rope.py)
         with recording, recompile_budget(), torch_rope():
             out = self._compiled(x, timestep, context=context,
                                  transformer_options=call_options(transformer_options, self.regions), **kwargs)
         if self.graphs:
             out = out.clone()  # the sampler keeps outputs across steps; graph-owned memory is reused on replay
         self.stats.calls += 1
-        if not first:
-            self.stats.host_s.append(time.perf_counter() - t0)
-            if events is not None:
-                events[1].record()
-                self.stats.device_events.append(events)
-            if self.graphs_active:
-                self._watch_graphs(key, skips_before, rec_before)
-        else:
-            if out.is_cuda:
-                torch.cuda.synchronize(out.device)
-            self.stats.compile_seconds[key] = time.perf_counter() - t0
-            self.stats.compile_phases[key] = {k: round(v - phases_before[k], 2) for k, v in _phase_totals().items()
-                                              if v - phases_before[k] > 0}
-            log.info("FluxAccel: compiled %s in %.1f s", key.describe(), self.stats.compile_seconds[key])
-            skipped = cudagraph_skips() - skips_before
-            if skipped and self.graphs_active:
-                # inductor fell back to running (part of) the graph without CUDA graphs: correct, but slower
-                self.stats.graph_skips[key] = skipped
-                log.warning("FluxAccel: inductor skipped CUDA graphs %d time(s) while compiling %s; this shape runs "
-                            "compiled without (some) graphs. The reason: start ComfyUI with "
-                            "TORCH_LOGS=perf_hints.", skipped, key.describe())
-            if self.cache is not None:
-                self.cache.save()
-            if self.on_compiled is not None:
-                self.on_compiled(self)
+        return out
+
+    # -- telemetry: compile facts of a first call, timings and graph health of warm ones -----------------------
+    def _first_call(self, key: ShapeKey, x, timestep, context, transformer_options, kwargs):
+        st = self.stats
+        t0 = time.perf_counter()
+        skips_before, phases_before = cudagraph_skips(), _phase_totals()
+        # the compile artifacts of this call are recorded for this model's cache file only (compile_cache.py)
+        recording = self.cache.recording() if self.cache is not None else contextlib.nullcontext()
+        out = self._run(x, timestep, context, transformer_options, kwargs, recording)
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
+        st.compile_seconds[key] = time.perf_counter() - t0
+        st.compile_phases[key] = {k: round(v - phases_before[k], 2) for k, v in _phase_totals().items()
+                                  if v - phases_before[k] > 0}
+        log.info("FluxAccel: compiled %s in %.1f s", key.describe(), st.compile_seconds[key])
+        skipped = cudagraph_skips() - skips_before
+        if skipped and self.graphs_active:
+            # inductor fell back to running (part of) the graph without CUDA graphs: correct, but slower
+            st.graph_skips[key] = skipped
+            log.warning("FluxAccel: inductor skipped CUDA graphs %d time(s) while compiling %s; this shape runs "
+                        "compiled without (some) graphs. The reason: start ComfyUI with "
+                        "TORCH_LOGS=perf_hints.", skipped, key.describe())
+        if self.cache is not None:
+            self.cache.save()
+        if self.on_compiled is not None:
+            self.on_compiled(self)
+        return out
+
+    def _warm_call(self, key: ShapeKey, x, timestep, context, transformer_options, kwargs):
+        st = self.stats
+        events = None
+        if x.is_cuda:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        watch = self.graphs_active
+        skips_before = cudagraph_skips() if watch else 0
+        rec_before = graph_recordings(self.device) if watch else None
+        t0 = time.perf_counter()
+        out = self._run(x, timestep, context, transformer_options, kwargs)
+        st.host_s.append(time.perf_counter() - t0)
+        if events is not None:
+            events[1].record()
+            st.device_events.append(events)
+        if watch:
+            self._watch_graphs(key, skips_before, rec_before)
         return out
 
     def _watch_graphs(self, key: ShapeKey, skips_before: int, rec_before: tuple[int, int] | None) -> None:

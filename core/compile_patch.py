@@ -85,16 +85,26 @@ def _swap_in_factory(compiled: CompiledFlux):
         finally:
             comfy.utils.set_attr(base, "diffusion_model", orig)
 
-    apply_compiled.fluxaccel = compiled  # for Warmup, Benchmark and the editor badge
     return apply_compiled
+
+
+def _install(clone, compiled: CompiledFlux):
+    """Put `compiled` on `clone` (already a clone): our one keyed APPLY_MODEL wrapper, replacing any earlier one, and
+    the CompiledFlux as the clone's COMPILE_KEY attachment (read by Warmup, Benchmark and the editor badge)."""
+    wt = _apply_model_type()
+    clone.remove_wrappers_with_key(wt, COMPILE_KEY)
+    clone.add_wrapper_with_key(wt, COMPILE_KEY, _swap_in_factory(compiled))
+    clone.set_attachments(COMPILE_KEY, compiled)
+    return clone, compiled
 
 
 def _variant(model) -> str:
     """What the compiled graph depends on beyond the base module's parameters: FluxAccel's FP8 config and the
     modules other object patches swap in at load time (the persistent compile cache is keyed by it)."""
-    from .fp8_patch import FP8_KEY
+    from .fp8_patch import fp8_state
 
-    fp8 = (model.model_options.get(FP8_KEY) or {}).get("config")
+    st = fp8_state(model)
+    fp8 = st.config.key() if st else None
     swapped = sorted(k for k, v in model.object_patches.items() if isinstance(v, torch.nn.Module))
     return repr((fp8, swapped))
 
@@ -124,10 +134,10 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
             f"need the whole model compiled as one graph: remove the other compile node (e.g. TorchCompileModel with "
             f"block keys) or turn cuda_graphs off.")
     if cfg.block_regions:
-        from .fp8_patch import FP8_KEY
+        from .fp8_patch import fp8_state
 
-        fp8 = (model.model_options.get(FP8_KEY) or {}).get("config")  # Fp8Config.key(): granularity, scope, layout
-        if fp8 and fp8[2] == "subclass":
+        fp8 = fp8_state(model)
+        if fp8 and fp8.config.layout == "subclass":
             # torch has no rule for tensor-subclass weights (torchao's Float8Tensor) inside a nested compile region
             log.warning("FluxAccel: %s compiles without block_regions: FP8 weights in the 'subclass' layout cannot "
                         "be used in torch's nested compile regions (a longer first compile, same numerics). Set "
@@ -145,25 +155,22 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
             cfg = dataclasses.replace(cfg, cuda_graphs=False)
     clone = model.clone()
     wt = _apply_model_type()
-    clone.remove_wrappers_with_key(wt, COMPILE_KEY)
     if clone.get_wrappers(wt, COMFY_COMPILE_KEY):
         log.info("FluxAccel: replacing ComfyUI's whole-model torch.compile wrapper with FluxAccel's")
         clone.remove_wrappers_with_key(wt, COMFY_COMPILE_KEY)
         clone.model_options.pop("torch_compile_kwargs", None)
     compiled = CompiledFlux(dm, cfg, device, variant=_variant(model), layout=model_layout(model))
     compiled.stats.graphs_off_reason = graphs_off
-    clone.add_wrapper_with_key(wt, COMPILE_KEY, _swap_in_factory(compiled))
     clone.add_callback_with_key(on_load_callback_type(), COMPILE_KEY, partial_load_guard(node))
-    return clone, compiled
+    return _install(clone, compiled)
 
 
 def compiled_of(model) -> CompiledFlux | None:
-    """The CompiledFlux our wrapper put on this model, if any."""
-    for fn in model.get_wrappers(_apply_model_type(), COMPILE_KEY):
-        c = getattr(fn, "fluxaccel", None)
-        if c is not None:
-            return c
-    return None
+    """The CompiledFlux Compile (or Warmup) put on this model, if any: its COMPILE_KEY attachment, while our wrapper
+    is on the model (a clone that dropped the wrapper runs uncompiled, whatever it still carries)."""
+    if not model.get_wrappers(_apply_model_type(), COMPILE_KEY):
+        return None
+    return model.get_attachment(COMPILE_KEY)
 
 
 def with_own_shapes(model):
@@ -172,12 +179,7 @@ def with_own_shapes(model):
     compiled = compiled_of(model)
     if compiled is None:
         return model, None
-    view = compiled.derive()
-    clone = model.clone()
-    wt = _apply_model_type()
-    clone.remove_wrappers_with_key(wt, COMPILE_KEY)
-    clone.add_wrapper_with_key(wt, COMPILE_KEY, _swap_in_factory(view))
-    return clone, view
+    return _install(model.clone(), compiled.derive())
 
 
 def remove_compile(model):
@@ -187,4 +189,5 @@ def remove_compile(model):
     clone = model.clone()
     clone.remove_wrappers_with_key(_apply_model_type(), COMPILE_KEY)
     clone.remove_callbacks_with_key(on_load_callback_type(), COMPILE_KEY)
+    clone.remove_attachments(COMPILE_KEY)
     return clone

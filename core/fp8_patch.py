@@ -8,10 +8,11 @@ Why object patches on a clone:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
+from dataclasses import dataclass, field
 from types import SimpleNamespace
-from dataclasses import asdict, dataclass, field
 
 import torch
 from comfy.patcher_extension import CallbacksMP
@@ -25,7 +26,7 @@ from .fp8 import DEFAULT_LAYOUT, Fp8Config, is_fp8_linear, linear_weight_bytes, 
 
 log = logging.getLogger("fluxaccel.fp8")
 
-FP8_KEY = "fluxaccel_fp8"  # model_options entry, ON_LOAD callback key
+FP8_KEY = "fluxaccel_fp8"  # ModelPatcher attachment (Fp8State), ON_LOAD callback key
 NODE = "Quantize FP8 (FluxAccel)"
 
 
@@ -155,7 +156,10 @@ LATE_PATCH_MESSAGE = (
 
 def _refuse_late_weight_patches(fp8_modules: list[str], node: str):
     """ON_CLONE callback: clones of an FP8 model refuse weight patches on FP8 Linears when they are added (the
-    LoRA node fails with a clear message), instead of failing or being dropped later when the model loads."""
+    LoRA node fails with a clear message). ComfyUI offers no earlier hook than this: its first callback of a load
+    (ON_LOAD) runs after the weights were patched, and 0.33 casts a Float8Tensor weight to float for the patch
+    before the Linear's own refusal (fp8._Fp8DeviceMove.convert_weight) is reached, failing with torchao's
+    "unimplemented operator" instead of saying what to do."""
     fp8_weights = {f"{k}.weight" for k in fp8_modules}
 
     def on_clone(old, new):
@@ -171,9 +175,24 @@ def _refuse_late_weight_patches(fp8_modules: list[str], node: str):
     return on_clone
 
 
+@dataclass(frozen=True)
+class Fp8State:
+    """What Quantize FP8 applied to a clone: a ModelPatcher attachment (FP8_KEY), which ComfyUI's clones share.
+    Never mutated: another config or remove_fp8 makes a new clone."""
+    config: Fp8Config
+    keys: tuple[str, ...]  # the object-patch keys of the quantized (and dequantized) Linears
+    report: Fp8Report
+    merged_patches: "_Kept"  # weight patches merged into the FP8 weights, restored by remove_fp8
+
+
+def fp8_state(model) -> Fp8State | None:
+    """The FP8 state Quantize FP8 put on this model, if any."""
+    return model.get_attachment(FP8_KEY)
+
+
 class _Kept(dict):
-    """Weight patches merged into FP8 weights, kept for remove_fp8. ComfyUI deep-copies model_options on every
-    clone; these (possibly large, never mutated) tensors are shared instead of copied."""
+    """Weight patches merged into FP8 weights, kept for remove_fp8: (possibly large, never mutated) tensors, shared
+    rather than copied should anything deep-copy the state."""
 
     def __deepcopy__(self, memo):
         return self
@@ -230,9 +249,9 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     model = resident(model, node)  # ComfyUI 0.33's dynamic VRAM: its non-dynamic delegate (comfy_compat.py)
     dm = require_flux(model, node)
     require_fully_loaded(model, node)
-    prev = model.model_options.get(FP8_KEY)
-    if prev is not None and prev["config"] == cfg.key():
-        report = Fp8Report(**{**prev["report"], "already_applied": True})
+    prev = fp8_state(model)
+    if prev is not None and prev.config.key() == cfg.key():
+        report = dataclasses.replace(prev.report, already_applied=True)
         log.info("%s", report.summary())
         return model, report
     if prev is not None:  # another FP8 config: start again from the model as it was before quantization
@@ -292,26 +311,24 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     clone.add_callback_with_key(on_load_callback_type(), FP8_KEY, partial_load_guard(node))
     fp8_keys = [f"diffusion_model.{n}" for n in report.quantized]  # the dequantized bf16 ones can take patches
     clone.add_callback_with_key(CallbacksMP.ON_CLONE, FP8_KEY, _refuse_late_weight_patches(fp8_keys, node))
-    report_dict = asdict(report)
-    clone.model_options[FP8_KEY] = {"config": cfg.key(), "keys": keys, "report": report_dict,
-                                     "merged_patches": merged}
+    clone.set_attachments(FP8_KEY, Fp8State(cfg, tuple(keys), report, merged))
     log.info("%s", report.summary())
     return clone, report
 
 
 def remove_fp8(model):
     """A clone of `model` running its original Linears again (the default Benchmark baseline)."""
-    prev = model.model_options.get(FP8_KEY)
+    prev = fp8_state(model)
     if prev is None:
         return model
     clone = model.clone()
-    for key in prev["keys"]:
+    for key in prev.keys:
         clone.object_patches.pop(key, None)
-    for key, patches in prev.get("merged_patches", {}).items():
+    for key, patches in prev.merged_patches.items():
         clone.patches[key] = list(patches)
     clone.remove_callbacks_with_key(on_load_callback_type(), FP8_KEY)
     clone.remove_callbacks_with_key(CallbacksMP.ON_CLONE, FP8_KEY)
-    clone.model_options.pop(FP8_KEY, None)
+    clone.remove_attachments(FP8_KEY)
     clone.patches_uuid = uuid.uuid4()
-    clone.size = model.model_size() + Fp8Report(**prev["report"]).bytes_saved
+    clone.size = model.model_size() + prev.report.bytes_saved
     return clone

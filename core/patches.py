@@ -2,18 +2,19 @@
 from __future__ import annotations
 
 from .compile_patch import compiled_of, remove_compile
-from .fp8_patch import FP8_KEY, remove_fp8
+from .fp8_patch import fp8_state, remove_fp8
 
 
 def label(model) -> str:
     """e.g. 'bf16', 'fp8-per_row', 'fp8-per_row+compile+graphs', 'fp8-per_row-plain+compile+graphs+regions',
     'fp8-per_row-plain-blocks+modulation' (the scope is named when it is not the default 'blocks'). '+graphs' only
     where CUDA graphs run: not on the CPU, not under cudaMallocAsync."""
-    fp8 = model.model_options.get(FP8_KEY)
+    fp8 = fp8_state(model)
     name = "bf16"
     if fp8:
-        granularity, scope, layout = fp8["config"]  # Fp8Config.key()
-        name = f"fp8-{granularity}" + ("-plain" if layout == "plain" else "") + ("" if scope == "blocks" else f"-{scope}")
+        c = fp8.config
+        name = f"fp8-{c.granularity}" + ("-plain" if c.layout == "plain" else "") + \
+            ("" if c.scope == "blocks" else f"-{c.scope}")
     c = compiled_of(model)
     if c is not None:
         name += "+compile" + ("+graphs" if c.graphs_running else "")  # only where graphs run (CUDA, none dropped)
@@ -26,11 +27,11 @@ def label(model) -> str:
 
 def describe(model) -> dict:
     out = {"label": label(model)}
-    fp8 = model.model_options.get(FP8_KEY)
+    fp8 = fp8_state(model)
     if fp8:
-        r = fp8["report"]
-        out["fp8"] = {"granularity": r["granularity"], "scope": r["scope"], "layout": r["layout"],
-                      "quantized": len(r["quantized"]), "bytes_saved": r["bytes_before"] - r["bytes_after"]}
+        r = fp8.report
+        out["fp8"] = {"granularity": r.granularity, "scope": r.scope, "layout": r.layout,
+                      "quantized": len(r.quantized), "bytes_saved": r.bytes_saved}
     c = compiled_of(model)
     if c is not None:
         st = c.stats

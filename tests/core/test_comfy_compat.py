@@ -55,7 +55,7 @@ def test_dynamic_model_is_quantized_on_its_resident_delegate(cpu_fp8, e2e_file):
     live = {n: m.weight for n, m in dyn.model.diffusion_model.named_modules() if isinstance(m, torch.nn.Linear)}
     fp8, report = apply_fp8(dyn, Fp8Config())
     assert not fp8.is_dynamic() and fp8.model is not dyn.model  # the delegate: the file loaded once more
-    assert report.quantized and FP8_KEY in fp8.model_options and FP8_KEY not in dyn.model_options
+    assert report.quantized and fp8.get_attachment(FP8_KEY) and dyn.get_attachment(FP8_KEY) is None
     assert not dyn.object_patches  # the dynamic model (other branches) is untouched
     assert all(m.weight is live[n] for n, m in dyn.model.diffusion_model.named_modules() if n in live)
     again, _ = apply_fp8(dyn, Fp8Config(granularity="per_tensor"))

@@ -4,7 +4,7 @@ import torch
 
 from core.errors import FluxAccelError
 from core.fp8 import Fp8Config, is_fp8_linear, is_fp8_weight
-from core.fp8_patch import FP8_KEY, apply_fp8, remove_fp8
+from core.fp8_patch import FP8_KEY, apply_fp8, fp8_state, remove_fp8
 from core.metrics import rel_err, sqnr_db
 from fluxaccel_testing import flux_inputs, forward
 
@@ -55,7 +55,7 @@ def test_other_config_requantizes_from_bf16(cpu_fp8, tiny_flux):
     assert torch.equal(forward(per_tensor_from_row, inputs), expected)
     # Another layout is another config too; the subclass layout computes exactly what the plain layout does.
     sub, report = apply_fp8(per_tensor_from_row, Fp8Config("per_tensor", layout="subclass"))
-    assert not report.already_applied and sub.model_options[FP8_KEY]["config"] == ["per_tensor", "blocks", "subclass"]
+    assert not report.already_applied and fp8_state(sub).config.key() == ["per_tensor", "blocks", "subclass"]
     assert "plain-tensor layout" not in report.summary()
     assert "plain-tensor layout" in apply_fp8(sub, Fp8Config("per_tensor"))[1].summary()
     assert torch.equal(forward(sub, inputs), expected)
@@ -80,7 +80,7 @@ def test_remove_fp8_restores_the_original_computation(cpu_fp8, tiny_flux):
     q, _ = apply_fp8(tiny_flux, Fp8Config())
     forward(q, inputs)
     base = remove_fp8(q)
-    assert FP8_KEY not in base.model_options
+    assert fp8_state(base) is None and FP8_KEY not in base.attachments and fp8_state(q).report.quantized
     assert torch.equal(forward(base, inputs), ref)
 
 
