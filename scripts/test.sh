@@ -8,11 +8,6 @@
 # 2-core machine. FLUXACCEL_TEST_SERIAL=1 runs them one after the other, printing as they go.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# CPU ComfyUI runs FLUX in float32 from bf16 weights, casting every Linear's weight per call (up to 150 MB each):
-# glibc hands each such block back to the OS (mmap/munmap) and page-faults it in again on the next forward. Keeping
-# freed memory in the heap halves a forward of the 3072-wide e2e model (bf16 eager 1.9 -> 0.8 s, FP8 4.3 -> 2.3 s,
-# system time 21 -> 3 s; peak RSS +10 %; measured in bench/NOTES.md). Test processes only: the plugin sets nothing.
-export MALLOC_MMAP_MAX_=${MALLOC_MMAP_MAX_:-0} MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-100000000000}
 HOSTS=${FLUXACCEL_COMFYUI:-"0.33.0 0.3.75"}
 bash scripts/setup-browser.sh
 declare -A PYS

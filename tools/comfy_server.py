@@ -40,6 +40,12 @@ class PromptFailed(RuntimeError):
 
 
 CPU_FP8_NODES = Path(__file__).resolve().parent / "cpu_fp8_node"
+# CPU servers (tests, the CPU demo): ComfyUI runs FLUX in float32 from bf16 weights there, casting every Linear's
+# weight per call (up to 150 MB each); glibc hands each such block back to the OS (mmap/munmap) and page-faults it in
+# again on the next forward. Keeping freed memory in the server's heap halves a forward of the 3072-wide e2e model
+# (bf16 eager 1.9 -> 0.8 s, FP8 4.3 -> 2.3 s; bench/NOTES.md, session 8). Not for the test processes themselves:
+# their heap would then keep its peak (7 GB each seen in CI) for the whole run. A variable already set wins.
+CPU_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000"}
 
 
 def free_port() -> int:
@@ -80,6 +86,9 @@ class ComfyServer:
                "--temp-directory", str(self.workdir / "temp"), "--user-directory", str(self.workdir / "user"),
                "--extra-model-paths-config", str(paths), "--disable-auto-launch", *self.extra_args]
         env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1"}
+        if "--cpu" in self.extra_args:
+            for k, v in CPU_MALLOC.items():
+                env.setdefault(k, v)
         log.info("starting ComfyUI: %s", " ".join(cmd))
         self._logf = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, cwd=self.comfy_dir, stdout=self._logf, stderr=subprocess.STDOUT, env=env,
