@@ -120,36 +120,29 @@ def sample_timed(model, case: BenchCase, positive, negative, latent, on_step: Ca
     return out, t1 - t0, steps
 
 
-@torch.inference_mode()
-def denoiser_outputs(model, case: BenchCase, positive, sigmas=FIDELITY_SIGMAS) -> list[torch.Tensor]:
-    """The model's denoised prediction for fixed inputs at each sigma (the 'single forward' check)."""
-    import comfy.model_management as mm
-    import comfy.patcher_extension
+def _one_denoiser_call(model, x, sigmas, extra_args=None, callback=None, disable=None):
+    """A ComfyUI sampler function (comfy.samplers.KSAMPLER) that calls the denoiser once, at sigmas[0], and returns
+    its prediction of the clean latent."""
+    return model(x, sigmas[0] * x.new_ones([x.shape[0]]), **(extra_args or {}))
 
-    mm.load_models_gpu([model])
-    dev = model.load_device
-    bm = model.model
-    ctx, extra = positive[0]
-    # the batch the sampler runs (cond+uncond stacked when cfg > 1), so compiled models see a compiled shape
-    batch = case.batch * (2 if case.cfg > 1 else 1)
-    ctx = ctx.repeat(batch // ctx.shape[0], 1, 1)
-    extra = {**extra, "pooled_output": extra["pooled_output"].repeat(batch // extra["pooled_output"].shape[0], 1)}
+
+@torch.inference_mode()
+def denoiser_outputs(model, case: BenchCase, positive, negative=None, sigmas=FIDELITY_SIGMAS) -> list[torch.Tensor]:
+    """The model's denoised prediction for fixed inputs at each sigma (the 'single forward' check), through ComfyUI's
+    own sampling path: a CFGGuider with the case's cfg and conditioning (the model's extra_conds, its wrappers,
+    calc_cond_batch's batching), and a one-call sampler over the sigmas [s, 0]."""
+    import comfy.samplers
+
+    latent = empty_latent(model, case)
     g = torch.Generator().manual_seed(case.seed + 1)
-    shape = (batch, bm.latent_format.latent_channels, case.height // 8, case.width // 8)
-    x0 = torch.randn(shape, generator=g)
-    noise = torch.randn(shape, generator=g)
-    outs = []
-    kwargs = {"y": extra["pooled_output"].to(dev), "guidance": torch.full((batch,), float(extra.get("guidance", 3.5)), device=dev)}
-    # the model's wrappers (FluxAccel's compile wrapper among them) reach apply_model through transformer_options,
-    # as in ComfyUI's sampler: without them a compiled model would be measured uncompiled
-    to = comfy.patcher_extension.copy_nested_dicts(model.model_options.get("transformer_options", {}))
-    comfy.patcher_extension.merge_nested_dicts(to.setdefault("wrappers", {}), model.wrappers, copy_dict1=False)
-    for s in sigmas:
-        sigma = torch.full((batch,), s, device=dev)
-        x = bm.model_sampling.noise_scaling(sigma.cpu(), noise, x0).to(dev)
-        out = bm.apply_model(x, sigma, c_crossattn=ctx.to(dev), transformer_options=dict(to), **kwargs)
-        outs.append(out.float().cpu())
-    return outs
+    x0 = torch.randn(latent.shape, generator=g)
+    noise = torch.randn(latent.shape, generator=g)
+    guider = comfy.samplers.CFGGuider(model)
+    guider.set_conds(positive, negative if negative is not None else positive)
+    guider.set_cfg(case.cfg)
+    sampler = comfy.samplers.KSAMPLER(_one_denoiser_call)
+    return [guider.sample(noise, x0, sampler, torch.tensor([float(s), 0.0]), disable_pbar=True,
+                          seed=case.seed).float().cpu() for s in sigmas]
 
 
 def unique_labels(models: list[tuple[str, object]]) -> list[tuple[str, object]]:
@@ -208,7 +201,7 @@ def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negat
             times[label].append(secs)
             steps[label].append(st)
     say("fidelity: denoiser forwards at sigmas " + ", ".join(map(str, FIDELITY_SIGMAS)))
-    den = {label: denoiser_outputs(m, case, positive) for label, m in models}
+    den = {label: denoiser_outputs(m, case, positive, negative) for label, m in models}
     base = models[0][0]
     rows = []
     for label, _ in models:
