@@ -80,22 +80,37 @@ function showReport(node, text) {
   node.setDirtyCanvas(true, true);
 }
 
-function drawBadge(node, ctx) {
-  if (!node.fluxaccelBadge || node.flags?.collapsed) return;
-  const titleH = globalThis.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
-  const text = node.fluxaccelBadge;
-  ctx.save();
-  ctx.font = "bold 12px sans-serif";
-  const w = ctx.measureText(text).width + 16;
-  const h = 20;
-  const y = -titleH - h - 22; // above the frontend's own node-source badge
-  ctx.fillStyle = "#1b5e20";
-  ctx.beginPath();
-  ctx.roundRect ? ctx.roundRect(0, y, w, h, 6) : ctx.rect(0, y, w, h);
-  ctx.fill();
-  ctx.fillStyle = "#ffffff";
-  ctx.fillText(text, 8, y + 14);
-  ctx.restore();
+// The Compile node's badge is one of the frontend's node badges (node.badges, drawn above the title next to the
+// frontend's own): an entry is a function returning {height, getWidth(ctx), draw(ctx, x, y)}, as the frontend's
+// LGraphBadge has (both pinned frontends, 1.32 and 1.49, draw node.badges this way).
+function fluxaccelBadge(node) {
+  const text = node.fluxaccelBadge || "";
+  return {
+    fluxaccel: true,
+    text,
+    height: text ? 20 : 0,
+    getWidth(ctx) {
+      if (!text) return 0;
+      ctx.save();
+      ctx.font = "bold 12px sans-serif";
+      const w = ctx.measureText(text).width + 16;
+      ctx.restore();
+      return w;
+    },
+    draw(ctx, x, y) {
+      if (!text || node.flags?.collapsed) return;
+      const w = this.getWidth(ctx);
+      ctx.save();
+      ctx.font = "bold 12px sans-serif";
+      ctx.fillStyle = "#1b5e20";
+      ctx.beginPath();
+      ctx.roundRect ? ctx.roundRect(x, y, w, this.height, 6) : ctx.rect(x, y, w, this.height);
+      ctx.fill();
+      ctx.fillStyle = "#ffffff";
+      ctx.fillText(text, x + 8, y + 14);
+      ctx.restore();
+    },
+  };
 }
 
 app.registerExtension({
@@ -113,12 +128,11 @@ app.registerExtension({
         if (compile) updateBadge(compile.id, { speedup: Number(message.fluxaccel_speedup[0]) });
       }
     };
-    if (nodeData.name === COMPILE) {
-      const onDraw = nodeType.prototype.onDrawForeground;
-      nodeType.prototype.onDrawForeground = function (ctx) {
-        onDraw?.apply(this, arguments);
-        drawBadge(this, ctx);
-      };
+  },
+  nodeCreated(node) {
+    if (node.comfyClass === COMPILE || node.type === COMPILE) {
+      node.badges = node.badges || [];
+      node.badges.push(() => fluxaccelBadge(node));
     }
   },
 });
