@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
-from comfy.patcher_extension import CallbacksMP
+from comfy.patcher_extension import WrappersMP
 
 from .comfy_compat import (checkpoint_format, is_checkpoint_quantized, linear_like, require_compatible,
                            resident)
@@ -155,24 +155,18 @@ LATE_PATCH_MESSAGE = (
 
 
 def _refuse_late_weight_patches(fp8_modules: list[str], node: str):
-    """ON_CLONE callback: clones of an FP8 model refuse weight patches on FP8 Linears when they are added (the
-    LoRA node fails with a clear message). ComfyUI offers no earlier hook than this: its first callback of a load
-    (ON_LOAD) runs after the weights were patched, and 0.33 casts a Float8Tensor weight to float for the patch
-    before the Linear's own refusal (fp8._Fp8DeviceMove.convert_weight) is reached, failing with torchao's
-    "unimplemented operator" instead of saying what to do."""
+    """A PREPARE_SAMPLING wrapper (ComfyUI's sampler merges the patcher's wrappers and runs it before it loads the
+    model): weight patches on FP8 Linears -- a LoRA added after Quantize FP8 -- are refused with what to do, before
+    ComfyUI would try to patch FP8 data (0.33 casts a Float8Tensor weight first and fails with torchao's
+    "unimplemented operator"). Outside the sampler a plain-layout Linear refuses them itself (convert_weight)."""
     fp8_weights = {f"{k}.weight" for k in fp8_modules}
 
-    def on_clone(old, new):
-        add = new.add_patches
-
-        def add_patches(patches, strength_patch=1.0, strength_model=1.0):
-            hit = sorted(k for k in (p if isinstance(p, str) else p[0] for p in patches) if k in fp8_weights)
-            if hit:
-                raise FluxAccelError(LATE_PATCH_MESSAGE.format(node=node, n=len(hit), example=hit[0]))
-            return add(patches, strength_patch, strength_model)
-
-        new.add_patches = add_patches
-    return on_clone
+    def prepare_sampling(executor, model, *args, **kwargs):
+        hit = sorted(k for k, v in model.patches.items() if v and k in fp8_weights)
+        if hit:
+            raise FluxAccelError(LATE_PATCH_MESSAGE.format(node=node, n=len(hit), example=hit[0]))
+        return executor(model, *args, **kwargs)
+    return prepare_sampling
 
 
 @dataclass(frozen=True)
@@ -310,7 +304,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     # FP8 weights cannot be streamed per layer by ComfyUI's lowvram path
     clone.add_callback_with_key(on_load_callback_type(), FP8_KEY, partial_load_guard(node))
     fp8_keys = [f"diffusion_model.{n}" for n in report.quantized]  # the dequantized bf16 ones can take patches
-    clone.add_callback_with_key(CallbacksMP.ON_CLONE, FP8_KEY, _refuse_late_weight_patches(fp8_keys, node))
+    clone.add_wrapper_with_key(WrappersMP.PREPARE_SAMPLING, FP8_KEY, _refuse_late_weight_patches(fp8_keys, node))
     clone.set_attachments(FP8_KEY, Fp8State(cfg, tuple(keys), report, merged))
     log.info("%s", report.summary())
     return clone, report
@@ -327,7 +321,7 @@ def remove_fp8(model):
     for key, patches in prev.merged_patches.items():
         clone.patches[key] = list(patches)
     clone.remove_callbacks_with_key(on_load_callback_type(), FP8_KEY)
-    clone.remove_callbacks_with_key(CallbacksMP.ON_CLONE, FP8_KEY)
+    clone.remove_wrappers_with_key(WrappersMP.PREPARE_SAMPLING, FP8_KEY)
     clone.remove_attachments(FP8_KEY)
     clone.patches_uuid = uuid.uuid4()
     clone.size = model.model_size() + prev.report.bytes_saved
