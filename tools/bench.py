@@ -4,9 +4,10 @@
     python tools/bench.py --case schnell-512-4
     python tools/bench.py --checkpoint /path/to/flux1-dev.safetensors   # a real bf16 FLUX checkpoint
 
-Without --checkpoint the model is FLUX's architecture with seeded random weights (said in the output):
-speed and memory are those of the real model, images are noise. Prints a table and writes
-bench/results/<gpu-or-cpu>-<case>.json.
+Without --checkpoint the model is FLUX's architecture with seeded random weights (said in the output): for the
+dev/schnell shapes speed and memory are those of the real model, images are noise; tiny-cpu's model has FLUX's width
+but 1 double + 1 single block. Prints a table and writes <gpu>-<case>[-<suite>].json to bench/results/ on a GPU
+(the project's committed results) and to .cache/bench-results/ (untracked) on the CPU.
 """
 from __future__ import annotations
 
@@ -148,7 +149,8 @@ def main(argv=None) -> int:
                          "graphs for each sampler and cfg 3.5; core: core's TorchCompileModel (bf16, fp8_e4m3fn_fast) vs "
                          "FluxAccel's default and fastest, with ComfyUI's default launch flags (default: compile on "
                          "a GPU, fp8 on the CPU)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder for the results JSON")
+    ap.add_argument("--out", help="folder for the results JSON (default: bench/results on a GPU, .cache/bench-results "
+                                   "on the CPU, so that a CPU run leaves the tracked files alone)")
     ap.add_argument("--models-dir", default=str(ROOT / ".cache" / "models"), help="where random-weight models are cached")
     ap.add_argument("--server-arg", action="append", default=[], help="extra ComfyUI launch flag (repeatable)")
     ap.add_argument("--only", action="append",
@@ -177,8 +179,10 @@ def main(argv=None) -> int:
         from core.test_models import write_flux_file
 
         unet_name = f"fluxaccel-random-{case['shape']}.safetensors"
+        what = ("timings and memory match the real model, images do not" if case["shape"] in ("dev", "schnell") else
+                "FLUX's width with 1 double + 1 single block: a functional check, its timings are not a real model's")
         print(f"No --checkpoint given: building FLUX '{case['shape']}' architecture with seeded RANDOM weights "
-              f"({unet_dir / unet_name}); timings and memory match the real model, images do not.", flush=True)
+              f"({unet_dir / unet_name}); {what}.", flush=True)
         write_flux_file(unet_dir / unet_name, case["shape"], device="cuda" if gpu else "cpu")
         if gpu:
             import torch
@@ -198,7 +202,7 @@ def main(argv=None) -> int:
         prompt = {k: v for k, v in prompt.items()
                   if v["class_type"] != "FluxAccelBenchmark" or any(o in v.get("_meta", {}).get("title", "")
                                                                      for o in a.only)}
-    out = Path(a.out)
+    out = Path(a.out) if a.out else ROOT / ("bench/results" if gpu else ".cache/bench-results")
     out.mkdir(parents=True, exist_ok=True)
     tag = "cpu" if not gpu else gpu.lower().replace(" ", "-")
     stem = f"{tag}-{case_name}" + ("" if a.suite == "fp8" else f"-{a.suite}")
