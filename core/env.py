@@ -70,12 +70,10 @@ def torchao_fp8_here() -> bool:
     """Whether torchao's own hardware gate (asked by its quantize_) accepts dynamic FP8 in this process. False on a
     CPU-only machine; tests and tools lift the gate for CPU runs (tools/cpu_fp8.py), the plugin never does."""
     try:
-        from torchao.float8.inference import _check_hardware_support
-        from torchao.quantization.granularity import PerTensor
         import torchao.quantization.quant_api as qa
+        from torchao.quantization.granularity import PerTensor
 
-        gate = getattr(qa, "_check_hardware_support", _check_hardware_support)
-        gate((PerTensor(), PerTensor()))
+        qa._check_hardware_support((PerTensor(), PerTensor()))  # the gate quantize_ itself asks
         return True
     except (AssertionError, ImportError, AttributeError):
         return False

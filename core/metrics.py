@@ -16,10 +16,11 @@ def sqnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB, 20 log10(||ref|| / ||out - ref||), by torchao's compute_error (the
     measure torchao reports its own quantization by; in float64 here); inf when equal. Without torchao (a bf16-only
     Benchmark), the same formula from rel_err."""
-    if rel_err(out, ref) == 0:
+    e = rel_err(out, ref)
+    if e == 0:
         return math.inf
     try:
         from torchao.quantization.utils import compute_error
     except ImportError:
-        return -20.0 * math.log10(rel_err(out, ref))
+        return -20.0 * math.log10(e)
     return float(compute_error(ref.detach().double().cpu(), out.detach().double().cpu()))
