@@ -38,6 +38,9 @@ class CompileConfig:
     resolution_policy: Literal["strict", "recompile", "eager_fallback"] = "strict"
     max_shapes: int = 4
     persistent_cache: bool = True
+    # with persistent_cache: each shape's trace saved as a warm-start package (warm_start.py), so a restarted ComfyUI
+    # does not trace the model again; off: only inductor's artifacts are kept (compile_cache.py)
+    warm_start: bool = True
     block_regions: bool = True  # H200 dev-1024-28: compile 73 -> 42 s, steady state +2-3 % (bench/NOTES.md)
 
     def __post_init__(self):
@@ -194,6 +197,10 @@ class CompileStats:
     recording_calls: dict[ShapeKey, int] = field(default_factory=dict)
     graphs_lost: dict[ShapeKey, str] = field(default_factory=dict)
     compile_phases: dict[ShapeKey, dict[str, float]] = field(default_factory=dict)  # PHASES seconds per compile
+    # per shape, how its compiled call came about (warm_start.py): "loaded" (a package: no tracing), "saved" (traced,
+    # compiled and written for the next process), or why there is no package (it then re-traces after a restart)
+    warm_start: dict[ShapeKey, str] = field(default_factory=dict)
+    warm_start_off: str = ""  # why warm-start packages are not used at all here ("" when they are)
     # last warm calls: host seconds spent inside the call (graph replay is asynchronous, so on a GPU this is the
     # launch overhead: guards, input checks, replay) and (start, end) CUDA events around it (device time)
     host_s: deque = field(default_factory=lambda: deque(maxlen=256))
@@ -206,6 +213,7 @@ class CompileStats:
         new = CompileStats(**{f: getattr(self, f) for f in self.__dataclass_fields__})
         new.shapes = list(self.shapes)
         new.recording_calls, new.graphs_lost = dict(self.recording_calls), dict(self.graphs_lost)
+        new.warm_start = dict(self.warm_start)
         new.host_s, new.device_events = deque(self.host_s, maxlen=256), deque(self.device_events, maxlen=256)
         return new
 
@@ -242,11 +250,22 @@ class CompiledFlux(torch.nn.Module):
 
             self.regions = BlockRegions(dm)
         self.on_compiled = None  # called with self after each new shape compiled (the node tells the editor)
+        self.warm = None  # warm-start packages (warm_start.py), with the persistent cache
+        self._runners: dict[str, object] = {}  # call signature -> its package's compiled call; None: torch.compile
         if cfg.persistent_cache:
             from .compile_cache import CompileCache, cache_key
+            from .warm_start import WarmStart, available
 
             self.cache = CompileCache(cache_key(dm, cfg, self.device, variant, layout))
             self.stats.cache_loaded = self.cache.load()
+            usable, why = available() if cfg.warm_start else (False, "")
+            if usable:
+                self.warm = WarmStart(self.cache.key, self.cache.dir)
+            elif cfg.warm_start:
+                self.stats.warm_start_off = why
+                log.warning("FluxAccel: no warm-start packages: %s; a restarted ComfyUI traces the model again", why)
+            else:
+                self.stats.warm_start_off = "warm_start off in the compile config"
         object.__setattr__(self, "_compiled", torch.compile(dm, backend="inductor", dynamic=False, fullgraph=False,
                                                             options=cfg.inductor_options(self.device)))
 
@@ -350,20 +369,66 @@ class CompiledFlux(torch.nn.Module):
         return key if self.allow_shape(key) else None
 
     # -- runner: mark a graph step, call the compiled model, copy the output -----------------------------------
-    def _run(self, x, timestep, context, transformer_options, kwargs, recording=contextlib.nullcontext()):
+    def _run(self, key, x, timestep, context, transformer_options, kwargs, recording=contextlib.nullcontext()):
         if self.graphs:
             # A new CUDA-graph step per model call: outputs of the previous call may be overwritten from here on,
             # which is safe because we return a copy below.
             torch.compiler.cudagraph_mark_step_begin()
             self.stats.marks += 1
+        opts = call_options(transformer_options, self.regions)
         # plain-torch RoPE, fused by inductor (ComfyUI 0.33's is an opaque kitchen op: rope.py)
         with recording, recompile_budget(), torch_rope():
-            out = self._compiled(x, timestep, context=context,
-                                 transformer_options=call_options(transformer_options, self.regions), **kwargs)
+            run = self._runner(key, x, timestep, context, opts, kwargs)
+            if run is None:  # no warm-start package for this call: dynamo traces it (again in each new process)
+                out = self._compiled(x, timestep, context=context, transformer_options=opts, **kwargs)
+            else:
+                out = run(self._dm, x, timestep, context=context, transformer_options=opts, **kwargs)
         if self.graphs:
             out = out.clone()  # the sampler keeps outputs across steps; graph-owned memory is reused on replay
         self.stats.calls += 1
         return out
+
+    # -- warm start: the compiled call of this signature from its package, or traced and saved to one -----------
+    def _runner(self, key: ShapeKey, x, timestep, context, opts, kwargs):
+        """The warm-start compiled call for these inputs (loaded, or compiled and saved now); None: torch.compile."""
+        if self.warm is None:
+            return None
+        from .warm_start import NotPackageable, signature
+
+        try:
+            sig = signature((x, timestep), {"context": context, **kwargs,
+                                            "options": {k: opts[k] for k in PASSED_OPTIONS if k in opts}})
+        except NotPackageable as e:
+            if key not in self.stats.warm_start:
+                self.stats.warm_start[key] = f"no package ({e})"
+                log.warning("FluxAccel: %s has no warm-start package: %s; it compiles with torch.compile instead, "
+                            "which a restarted ComfyUI traces again", key.describe(), e)
+            return None
+        if sig not in self._runners:
+            self._runners[sig] = self._new_runner(key, sig, x, timestep, context, opts, kwargs)
+        return self._runners[sig]
+
+    def _new_runner(self, key: ShapeKey, sig: str, x, timestep, context, opts, kwargs):
+        from .warm_start import aot_compile
+
+        st = self.stats
+        t0 = time.perf_counter()
+        run = self.warm.load(sig)
+        if run is not None:
+            st.warm_start[key] = "loaded"
+            st.compile_phases.setdefault(key, {})["warm_start_load"] = round(time.perf_counter() - t0, 2)
+            return run
+        try:
+            run = aot_compile(self._dm, self.cfg.inductor_options(self.device), (x, timestep),
+                              dict(context=context, transformer_options=opts, **kwargs))
+        except Exception as e:  # e.g. a graph break (a package needs one whole graph): said, then traced as before
+            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+            st.warm_start[key] = f"no package ({reason})"
+            log.warning("FluxAccel: %s cannot be compiled into a warm-start package (%s); it compiles with "
+                        "torch.compile instead, which a restarted ComfyUI traces again", key.describe(), reason)
+            return None
+        st.warm_start[key] = "saved" if self.warm.save(sig, run) else "compiled, not saved (see the log)"
+        return run
 
     # -- telemetry: compile facts of a first call, timings and graph health of warm ones -----------------------
     def _first_call(self, key: ShapeKey, x, timestep, context, transformer_options, kwargs):
@@ -372,12 +437,12 @@ class CompiledFlux(torch.nn.Module):
         skips_before, phases_before = cudagraph_skips(), _phase_totals()
         # the compile artifacts of this call are recorded for this model's cache file only (compile_cache.py)
         recording = self.cache.recording() if self.cache is not None else contextlib.nullcontext()
-        out = self._run(x, timestep, context, transformer_options, kwargs, recording)
+        out = self._run(key, x, timestep, context, transformer_options, kwargs, recording)
         if out.is_cuda:
             torch.cuda.synchronize(out.device)
         st.compile_seconds[key] = time.perf_counter() - t0
-        st.compile_phases[key] = {k: round(v - phases_before[k], 2) for k, v in _phase_totals().items()
-                                  if v - phases_before[k] > 0}
+        st.compile_phases[key] = {**st.compile_phases.get(key, {}), **{
+            k: round(v - phases_before[k], 2) for k, v in _phase_totals().items() if v - phases_before[k] > 0}}
         log.info("FluxAccel: compiled %s in %.1f s", key.describe(), st.compile_seconds[key])
         skipped = cudagraph_skips() - skips_before
         if skipped and self.graphs_active:
@@ -402,7 +467,7 @@ class CompiledFlux(torch.nn.Module):
         skips_before = cudagraph_skips() if watch else 0
         rec_before = graph_recordings(self.device) if watch else None
         t0 = time.perf_counter()
-        out = self._run(x, timestep, context, transformer_options, kwargs)
+        out = self._run(key, x, timestep, context, transformer_options, kwargs)
         st.host_s.append(time.perf_counter() - t0)
         if events is not None:
             events[1].record()

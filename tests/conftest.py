@@ -31,6 +31,13 @@ def _private_compile_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_warm_start(tmp_path, monkeypatch):
+    """Each in-process test compiles into a folder of its own: a warm-start package written by an earlier test (same
+    tiny model layout) would otherwise be loaded, and the test would see no compile. Servers keep the session's."""
+    monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path / "compile-cache"))
+
+
 @pytest.fixture
 def cpu_fp8(monkeypatch):
     """CPU FP8 for this test: torchao's GPU-capability gate lifted (see module docstring)."""

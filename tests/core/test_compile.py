@@ -192,7 +192,8 @@ def test_cuda_graph_skips_at_compile_are_reported(tiny_flux, counters, monkeypat
     from core.patches import describe
 
     monkeypatch.setattr(CompiledFlux, "graphs_active", property(lambda self: True))
-    model, compiled = apply_compile(tiny_flux, CompileConfig(cuda_graphs=True))
+    # the torch.compile callable is the seam these tests wrap: no warm-start package (its runner is tested apart)
+    model, compiled = apply_compile(tiny_flux, CompileConfig(cuda_graphs=True, warm_start=False))
     inner = compiled._compiled
 
     def compiled_with_skips(*a, **k):
@@ -220,7 +221,8 @@ def test_graph_rerecords_and_graphs_dropped_later_are_reported(tiny_flux, counte
     monkeypatch.setattr(CompiledFlux, "graphs_active", property(lambda self: True))
     manager = {"recorded": 0, "counted": 0}
     monkeypatch.setattr(cc, "graph_recordings", lambda device: (manager["recorded"], manager["counted"]))
-    model, compiled = apply_compile(tiny_flux, CompileConfig(cuda_graphs=True))
+    # the torch.compile callable is the seam these tests wrap: no warm-start package (its runner is tested apart)
+    model, compiled = apply_compile(tiny_flux, CompileConfig(cuda_graphs=True, warm_start=False))
     badge = []
     compiled.on_compiled = lambda c: badge.append(c.graphs_running)
     inner = compiled._compiled

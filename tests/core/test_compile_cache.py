@@ -1,4 +1,5 @@
-"""core/compile_cache.py: a fresh process reuses the saved artifacts; foreign/corrupt files are ignored.
+"""core/compile_cache.py: a fresh process reuses the saved artifacts; foreign/corrupt files are ignored (warm-start
+packages off: tests/core/test_warm_start.py has those).
 
 Each run is a new Python process with its own empty TORCHINDUCTOR_CACHE_DIR, so a cache hit can only come from
 FluxAccel's file."""
@@ -26,7 +27,7 @@ SCRIPT = textwrap.dedent(r"""
     x = torch.randn(1, 16, 16, 16, generator=g).bfloat16(); ctx = torch.randn(1, 16, 64, generator=g).bfloat16()
     y = torch.randn(1, 64, generator=g).bfloat16(); t = torch.tensor([0.5]); gd = torch.tensor([3.5]).bfloat16()
     with torch.inference_mode():
-        c = CompiledFlux(dm, CompileConfig(), torch.device("cpu"))
+        c = CompiledFlux(dm, CompileConfig(warm_start=False), torch.device("cpu"))
         out = c(x, t, context=ctx, y=y, guidance=gd)
         ref = dm(x, t, context=ctx, y=y, guidance=gd)
     err = float((out.float() - ref.float()).norm() / ref.float().norm())

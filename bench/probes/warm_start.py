@@ -1,0 +1,118 @@
+"""GPU check (issue 15): warm-start packages on the device's torch, with CUDA graphs, in new processes.
+
+Three new Python processes in turn, sharing one empty FluxAccel cache folder, each with its own empty
+TORCHINDUCTOR_CACHE_DIR and Triton cache (nothing warm but FluxAccel's files):
+  compile  FP8 per-row (plain) + Compile (graphs, block regions) of the FLUX-width e2e model: traces, compiles and
+           writes the package
+  warm     the same workflow in a new process: loads the package (no dynamo trace)
+  traced   the same with warm_start off (today's path: dynamo traces, inductor artifacts from the compile cache)
+Per process: first call seconds, warm-start state, compile phases, dynamo frames traced, CUDA graphs recorded,
+median device ms per warm call; the warm process's outputs against the compiling one's (bit for bit).
+
+    source .gpu033/setup-on-device.sh; python3 bench/probes/warm_start.py --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def child(role: str, calls: int, size: int, out_file: str, device: str) -> dict:
+    t_start = time.perf_counter()
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from tools import host
+
+    host.import_comfy(Path(os.environ["COMFYUI_DIR"]) if os.environ.get("COMFYUI_DIR") else None)
+    from torch._dynamo.utils import counters
+
+    from core.bench import BenchCase, denoiser_outputs
+    from core.compile import CompileConfig, graph_recordings
+    from core.compile_patch import apply_compile
+    from core.fp8 import Fp8Config
+    from core.fp8_patch import apply_fp8
+    from core.patches import describe, label
+    from core.test_models import build_flux, synthetic_conditioning_for
+
+    dev = torch.device(device)
+    case = BenchCase(width=size, height=size)
+    with torch.inference_mode():
+        base = build_flux("e2e", device=device)
+        positive = synthetic_conditioning_for(base.model.diffusion_model, 64)
+        q, _ = apply_fp8(base, Fp8Config(granularity="per_row", layout="plain"))
+        model, c = apply_compile(q, CompileConfig(warm_start=role != "traced"))
+        t_ready = time.perf_counter()
+        outs = []
+        for i in range(calls):
+            outs.append(denoiser_outputs(model, case, positive, sigmas=(0.9 - 0.8 * i / max(1, calls - 1),))[0])
+        torch.save(outs, out_file)
+    d = describe(model)["compile"]
+    rec = graph_recordings(dev) if dev.type == "cuda" else None
+    return {"role": role, "process_start_to_model_ready_s": round(t_ready - t_start, 1),
+            "first_call_s": list(d["compile_seconds"].values()), "warm_start": d["warm_start"],
+            "compile_phases_s": d["compile_phases_s"], "dynamo_frames_traced": counters["stats"]["unique_graphs"],
+            "graphs_recorded": rec[0] if rec else None, "label": label(model), "calls": d["calls"],
+            "device_ms_median": d.get("model_call_device_ms_median"), "host_ms_median": d.get("model_call_host_ms_median"),
+            "torch": torch.__version__}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--size", type=int, default=512, help="image side in pixels")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--role", help=argparse.SUPPRESS)
+    ap.add_argument("--out-file", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.role:
+        if a.device == "cpu":
+            sys.path.insert(0, str(ROOT))
+            from tools.cpu_fp8 import lift_torchao_gate
+
+            lift_torchao_gate()  # a tool run: torchao's GPU gate lifted for the CPU
+        print("PROBE", json.dumps(child(a.role, a.calls, a.size, a.out_file, a.device)), flush=True)
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="fluxaccel-warm-"))
+    res = {"command": "python3 bench/probes/warm_start.py " + " ".join(sys.argv[1:]), "processes": []}
+    for role in ("compile", "warm", "traced"):
+        env = {**os.environ, "FLUXACCEL_CACHE_DIR": str(work / "cache"),
+               "TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-{role}"), "TRITON_CACHE_DIR": str(work / f"triton-{role}")}
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, __file__, "--role", role, "--calls", str(a.calls), "--size", str(a.size),
+                            "--device", a.device, "--out-file", str(work / f"{role}.pt")],
+                           capture_output=True, text=True, env=env)
+        lines = [l for l in p.stdout.splitlines() if l.startswith("PROBE ")]
+        r = json.loads(lines[-1][6:]) if lines else {"role": role, "error": p.stderr[-4000:]}
+        r["process_wall_s"] = round(time.perf_counter() - t0, 1)
+        r["log_tail"] = [l for l in p.stderr.splitlines() if "FluxAccel" in l][-12:]
+        res["processes"].append(r)
+        print("PROBE", role, json.dumps(r), flush=True)
+    import torch
+
+    outs = {role: torch.load(work / f"{role}.pt") for role in ("compile", "warm", "traced") if (work / f"{role}.pt").exists()}
+    if "compile" in outs:
+        for role in ("warm", "traced"):
+            if role in outs:
+                res[f"{role}_equal_to_compile"] = [bool(torch.equal(x, y)) for x, y in zip(outs["compile"], outs[role])]
+                res[f"{role}_max_rel_diff"] = max(float((x.float() - y.float()).norm() / y.float().norm())
+                                                  for x, y in zip(outs["compile"], outs[role]))
+    res["package_bytes"] = sum(f.stat().st_size for f in (work / "cache").glob("*.warm"))
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    dev = "cpu" if a.device == "cpu" else "nvidia-h200"
+    (Path(a.out) / f"{dev}-probe-warm-start.json").write_text(json.dumps(res, indent=1))
+    print("PROBE summary", json.dumps({k: v for k, v in res.items() if k != "processes"}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
