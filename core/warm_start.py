@@ -86,11 +86,12 @@ def _no_guards(entries) -> list[bool]:
 
 def aot_compile(dm: torch.nn.Module, options: dict, args: tuple, kwargs: dict) -> Callable:
     """Trace and compile one call of dm (its class's forward, dm passed as self) ahead of running it."""
-    fn = torch.compile(type(dm).forward, backend="inductor", fullgraph=True, dynamic=False,
-                       options={**options, "guard_filter_fn": _no_guards})
     import torch._dynamo.config as dc
 
+    # torch 2.9-2.11: off by default, and read when torch.compile wraps the function (for this call only)
     with dc.patch(enable_aot_compile=True) if hasattr(dc, "enable_aot_compile") else contextlib.nullcontext():
+        fn = torch.compile(type(dm).forward, backend="inductor", fullgraph=True, dynamic=False,
+                           options={**options, "guard_filter_fn": _no_guards})
         return fn.aot_compile(((dm, *args), kwargs))
 
 
