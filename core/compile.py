@@ -413,7 +413,7 @@ class CompiledFlux(torch.nn.Module):
 
         st = self.stats
         t0 = time.perf_counter()
-        run = self.warm.load(sig)
+        run = self.warm.load(sig, self.cfg.inductor_options(self.device))
         if run is not None:
             st.warm_start[key] = "loaded"
             st.compile_phases.setdefault(key, {})["warm_start_load"] = round(time.perf_counter() - t0, 2)
@@ -490,6 +490,14 @@ class CompiledFlux(torch.nn.Module):
                             "toward triton.cudagraph_unexpected_rerecord_limit = %d, past which it runs without "
                             "graphs): the model's weights moved, e.g. ComfyUI unloaded and reloaded it.",
                             key.describe(), n, rec_after[1], limit)
+        if rec_after is None and self.graphs_running and st.calls >= 3:
+            # cudagraph trees record on a shape's second or third call; none at all means the graph runs without
+            # them (e.g. a loaded warm-start package wrapped without graphs): say so rather than claim '+graphs'
+            st.graphs_lost[key] = ("no CUDA graph was recorded for this shape (inductor's cudagraph trees never ran): "
+                                   "it runs compiled without graphs")
+            log.warning("FluxAccel: %s: %s", key.describe(), st.graphs_lost[key])
+            if self.on_compiled is not None:
+                self.on_compiled(self)
         if cudagraph_skips() > skips_before and key not in st.graphs_lost:
             st.graphs_lost[key] = (
                 "inductor stopped using CUDA graphs for this shape after "

@@ -128,8 +128,10 @@ class WarmStart:
     def path(self, sig: str) -> Path:
         return self.dir / f"{self.key}-{sig}{SUFFIX}"
 
-    def load(self, sig: str) -> Callable | None:
-        """The saved compiled call for this signature, or None (with a warning if a file was there but unusable)."""
+    def load(self, sig: str, options: dict | None = None) -> Callable | None:
+        """The saved compiled call for this signature, or None (with a warning if a file was there but unusable).
+        options: the compile's inductor options, in force while loading only: torch wraps the loaded graph in CUDA
+        graphs from the config it reads then (triton.cudagraphs), not from the saved compile's options."""
         path = self.path(sig)
         if not path.is_file():
             return None
@@ -145,7 +147,8 @@ class WarmStart:
             stale = _stale_sources(meta.get("sources") or {})
             if stale:
                 raise ValueError(f"stale: the source of {', '.join(stale)} changed since it was written")
-            fn = torch.compiler.load_compiled_function(io.BytesIO(payload))
+            with torch._inductor.config.patch(options or {}):
+                fn = torch.compiler.load_compiled_function(io.BytesIO(payload))
             log.info("FluxAccel: loaded warm-start package %s in %.2f s (no tracing)", path, time.perf_counter() - t0)
             return fn
         except Exception as e:  # never break a run: warn, compile again, and the package is rewritten

@@ -189,7 +189,7 @@ def test_cuda_graph_skips_at_compile_are_reported(tiny_flux, counters, monkeypat
     model still runs, but the user is told and the stats/badge say so. Simulated on the CPU: graphs count as
     active, and the counter is moved inside the first compiled call as inductor would."""
     from core.compile import CompiledFlux
-    from core.patches import describe
+    from core.patches import describe, label
 
     monkeypatch.setattr(CompiledFlux, "graphs_active", property(lambda self: True))
     # the torch.compile callable is the seam these tests wrap: no warm-start package (its runner is tested apart)
@@ -207,6 +207,16 @@ def test_cuda_graph_skips_at_compile_are_reported(tiny_flux, counters, monkeypat
     assert len(warned) == (1 if skips else 0)
     assert sum(compiled.stats.graph_skips.values()) == skips
     assert describe(model)["compile"]["graph_skips"] == skips
+    # warm calls where inductor's cudagraph trees never recorded a graph (none exist on the CPU; on the GPU a loaded
+    # warm-start package wrapped without graphs did this): reported as lost, unless the skips above said it already
+    _denoise_once(model)
+    _denoise_once(model)
+    lost = describe(model)["compile"]["graphs_lost"]
+    if skips:  # graphs already reported off (this simulation also moves the skip counter in the warm calls)
+        assert not any("no CUDA graph was recorded" in v for v in lost.values()), lost
+    else:
+        assert ["no CUDA graph was recorded" in v for v in lost.values()] == [True], lost
+        assert "+graphs" not in label(model) and not compiled.graphs_running
 
 
 def test_graph_rerecords_and_graphs_dropped_later_are_reported(tiny_flux, counters, monkeypatch, caplog):
