@@ -92,7 +92,16 @@ def aot_compile(dm: torch.nn.Module, options: dict, args: tuple, kwargs: dict) -
     with dc.patch(enable_aot_compile=True) if hasattr(dc, "enable_aot_compile") else contextlib.nullcontext():
         fn = torch.compile(type(dm).forward, backend="inductor", fullgraph=True, dynamic=False,
                            options={**options, "guard_filter_fn": _no_guards})
-        return fn.aot_compile(((dm, *args), kwargs))
+        compiled = fn.aot_compile(((dm, *args), kwargs))
+    _skip_guard_check(compiled)
+    return compiled
+
+
+def _skip_guard_check(fn) -> None:
+    """A package holds no guards (see above): skip binding each call's arguments to check none (where torch has it)."""
+    off = getattr(fn, "disable_guard_check", None)
+    if off is not None:
+        off()
 
 
 def _source_digests(fn) -> dict[str, str]:
@@ -149,6 +158,7 @@ class WarmStart:
                 raise ValueError(f"stale: the source of {', '.join(stale)} changed since it was written")
             with torch._inductor.config.patch(options or {}):
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload))
+            _skip_guard_check(fn)
             log.info("FluxAccel: loaded warm-start package %s in %.2f s (no tracing)", path, time.perf_counter() - t0)
             return fn
         except Exception as e:  # never break a run: warn, compile again, and the package is rewritten
