@@ -54,3 +54,22 @@ def denoise_once(model, hw=16, text_len=16):
         WrappersMP.APPLY_MODEL, model.model_options, is_model_options=True) + model.get_all_wrappers(WrappersMP.APPLY_MODEL))
     return executor.execute(x, torch.tensor([0.7]), c_crossattn=ctx, transformer_options={},
                             y=extra["pooled_output"], guidance=torch.tensor([3.5])).float()
+
+
+# The start of a script run in a new Python process (tests of what a restarted ComfyUI reuses): a real ComfyUI
+# imported, the tiny FLUX model and fixed inputs x, t, ctx, y, gd; `{root}` is the repository. The test appends its
+# own lines (braces doubled: the whole script goes through str.format).
+NEW_PROCESS_PRELUDE = r"""
+import json, logging, sys, torch
+sys.path.insert(0, {root!r})
+logging.basicConfig(level=logging.INFO)
+from tools import host; host.import_comfy()
+from torch._dynamo.utils import counters
+from core.compile import CompileConfig, CompiledFlux
+from core.test_models import build_flux
+m = build_flux("tiny")
+dm = m.model.diffusion_model
+g = torch.Generator().manual_seed(0)
+x = torch.randn(1, 16, 16, 16, generator=g).bfloat16(); ctx = torch.randn(1, 16, 64, generator=g).bfloat16()
+y = torch.randn(1, 64, generator=g).bfloat16(); t = torch.tensor([0.5]); gd = torch.tensor([3.5]).bfloat16()
+"""

@@ -12,20 +12,9 @@ import pytest
 import torch
 
 from conftest import ROOT
+from fluxaccel_testing import NEW_PROCESS_PRELUDE
 
-SCRIPT = textwrap.dedent(r"""
-    import json, logging, sys, torch
-    sys.path.insert(0, {root!r})
-    logging.basicConfig(level=logging.INFO)
-    from tools import host; host.import_comfy()
-    from torch._dynamo.utils import counters
-    from core.compile import CompileConfig, CompiledFlux
-    from core.test_models import build_flux
-    m = build_flux("tiny")
-    dm = m.model.diffusion_model
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 16, 16, 16, generator=g).bfloat16(); ctx = torch.randn(1, 16, 64, generator=g).bfloat16()
-    y = torch.randn(1, 64, generator=g).bfloat16(); t = torch.tensor([0.5]); gd = torch.tensor([3.5]).bfloat16()
+SCRIPT = NEW_PROCESS_PRELUDE + textwrap.dedent(r"""
     with torch.inference_mode():
         c = CompiledFlux(dm, CompileConfig(), torch.device("cpu"))
         out = c(x, t, context=ctx, y=y, guidance=gd)

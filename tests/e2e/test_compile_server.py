@@ -43,19 +43,24 @@ def test_strict_shapes_and_reload_in_a_server(server):
 @pytest.mark.parametrize("damage", ["corrupt", "foreign"])
 def test_damaged_compile_cache_file_warns_and_recompiles(server, damage):
     """FluxAccel's persistent compile cache (in this test session's FLUXACCEL_CACHE_DIR, inherited by the server)
-    holds a damaged file: the Compile node warns, compiles from scratch, and the result is unchanged."""
+    holds a damaged compile-cache file and damaged warm-start packages: the Compile node warns about each, compiles
+    from scratch (and writes the package again), and the result is unchanged."""
     import os
     from pathlib import Path
 
     base = _latent(server, server.run(_graph(tag="cache-base")))
-    files = list(Path(os.environ["FLUXACCEL_CACHE_DIR"]).glob("*.bin"))
-    assert files, "the compile above must have saved a cache file"
+    folder = Path(os.environ["FLUXACCEL_CACHE_DIR"])
+    files, packages = list(folder.glob("*.bin")), list(folder.glob("*.warm"))
+    assert files and packages, "the compile above must have saved a cache file and a warm-start package"
     for f in files:
         f.write_bytes(b"FLUXACCEL-COMPILE-CACHE 1\n{broken" if damage == "corrupt" else b"\x89PNG\r\n\x1a\n....")
-    before = server.log_path.read_text(errors="replace").count("ignoring unusable compile cache")
+    for f in packages:
+        f.write_bytes(b"FLUXACCEL-WARM-START 1\n{broken" if damage == "corrupt" else b"\x89PNG\r\n\x1a\n....")
+    said = ("ignoring unusable compile cache", "ignoring unusable warm-start package", "saved warm-start package")
+    before = [server.log_path.read_text(errors="replace").count(s) for s in said]
     g = _graph(tag=f"cache-{damage}")
     g["4"]["inputs"]["max_shapes"] = 3 if damage == "corrupt" else 2  # a new Compile node output: loads the cache
     again = _latent(server, server.run(g))
     log = server.log_path.read_text(errors="replace")
-    assert log.count("ignoring unusable compile cache") == before + 1, server.log_tail()
+    assert [log.count(s) - b for s, b in zip(said, before)] == [1, 1, 1], server.log_tail()
     assert torch.equal(again, base)
