@@ -10,6 +10,7 @@ amplifies rounding over many sampling steps, so the final latent's error is repo
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -233,11 +234,36 @@ def rows_to_dicts(rows: list[BenchRow]) -> list[dict]:
 def markdown_table(rows: list[BenchRow], case: BenchCase) -> str:
     head = (f"FLUX {case.width}x{case.height}, {case.steps} {case.sampler} steps, cfg {case.cfg}, "
             f"{case.runs} timed runs each\n\n")
-    lines = ["| config | s/image (median) | ms/step | speedup | first run s | peak VRAM GiB | denoiser rel err | SQNR dB |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        vram = f"{r.peak_vram_gib:.2f}" if r.peak_vram_gib is not None else "n/a (cpu)"
-        sq = "inf" if r.denoiser_sqnr_db == float("inf") else f"{r.denoiser_sqnr_db:.1f}"
-        lines.append(f"| {r.config} | {r.s_per_image_median:.3f} | {1000 * r.s_per_step_median:.1f} | "
-                     f"{r.speedup_vs_eager:.2f}x | {r.first_run_s:.1f} | {vram} | {r.denoiser_rel_err:.4f} | {sq} |")
-    return head + "\n".join(lines)
+    return head + markdown_rows(rows_to_dicts(rows))
+
+
+# column: (heading, value of a row dict, format, which is best: min or max); None where a row has no value
+_COLUMNS = (
+    ("baseline s/image", lambda r: r.get("baseline_s_per_image_median") or r["s_per_image_median"], "{:.3f}", None),
+    ("s/image (median)", lambda r: r["s_per_image_median"], "{:.3f}", min),
+    ("ms/step", lambda r: 1000 * r["s_per_step_median"], "{:.1f}", min),
+    ("speedup vs its baseline", lambda r: r["speedup_vs_eager"], "{:.2f}x", max),
+    ("first run s", lambda r: r["first_run_s"], "{:.1f}", min),
+    ("peak VRAM GiB", lambda r: r.get("peak_vram_gib"), "{:.2f}", min),
+    ("denoiser rel err", lambda r: r["denoiser_rel_err"] or None, "{:.4f}", min),  # a baseline's own 0: not a value
+    ("SQNR dB", lambda r: r["denoiser_sqnr_db"] if math.isfinite(r["denoiser_sqnr_db"]) else None, "{:.1f}", max),
+)
+
+
+def markdown_rows(rows: list[dict]) -> str:
+    """The results as a markdown table (the node's text, the headless command's terminal table): each row with the
+    baseline its speedup is against (rows of several Benchmark nodes have different ones), the best value of each
+    column in bold. A baseline row's error columns read '-' (it is the reference)."""
+    values = [[get(r) for _, get, _, _ in _COLUMNS] for r in rows]
+    best = []
+    for i, (_, _, _, pick) in enumerate(_COLUMNS):
+        present = [v[i] for v in values if v[i] is not None]
+        best.append(pick(present) if pick and len(present) > 1 else None)
+    lines = ["| config | " + " | ".join(h for h, _, _, _ in _COLUMNS) + " |", "|---" * (len(_COLUMNS) + 1) + "|"]
+    for r, vals in zip(rows, values):
+        cells = []
+        for (_, _, fmt, _), v, b in zip(_COLUMNS, vals, best):
+            text = "-" if v is None else fmt.format(v)
+            cells.append(f"**{text}**" if v is not None and v == b else text)
+        lines.append(f"| {r['config']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -265,19 +265,11 @@ def main(argv=None) -> int:
     rows = write(complete=True)
     print()
     print(f"FluxAccel benchmark, case {case_name} on {gpu or 'CPU'} ({weights}):")
-    print(table(rows))
+    from core.bench import markdown_rows
+
+    print(markdown_rows(rows))
     print(f"\nwrote {path}")
     return 0
-
-
-def table(rows: list[dict]) -> str:
-    lines = ["| config | s/image | ms/step | speedup vs eager | first run s | peak VRAM GiB | denoiser rel err |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        vram = f"{r['peak_vram_gib']:.2f}" if r.get("peak_vram_gib") is not None else "n/a"
-        lines.append(f"| {r['config']} | {r['s_per_image_median']:.3f} | {1000 * r['s_per_step_median']:.1f} | "
-                     f"{r['speedup_vs_eager']:.2f}x | {r['first_run_s']:.1f} | {vram} | {r['denoiser_rel_err']:.4f} |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

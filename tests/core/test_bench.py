@@ -80,3 +80,31 @@ def test_denoiser_outputs_go_through_comfyuis_sampling_path(tiny_flux, compiled)
 
         with pytest.raises(FluxAccelError, match="compiled for batch 1.*but received batch 2"):
             denoiser_outputs(model, BenchCase(width=128, height=128, cfg=3.5), pos, neg)
+
+
+def _row(config, s, base, err, vram=None):
+    return {"config": config, "s_per_image_median": s, "s_per_step_median": s / 28, "speedup_vs_eager": base / s,
+            "baseline_s_per_image_median": base, "first_run_s": 10 * s, "peak_vram_gib": vram,
+            "denoiser_rel_err": err, "denoiser_sqnr_db": float("inf") if err == 0 else 20.0 + 1 / err}
+
+
+def test_table_shows_each_rows_own_baseline_and_marks_the_best():
+    """Rows of two Benchmark nodes (each with its own eager run): every speedup follows from the numbers printed on
+    its own line; the best value of each column is bold; a baseline's own zero error is not a value."""
+    from core.bench import markdown_rows
+
+    rows = [_row("eager-bf16", 5.36, 5.36, 0.0, 14.5), _row("fp8+compile", 2.90, 5.36, 0.045, 9.0),
+            _row("eager-bf16", 12.92, 12.92, 0.0, 14.6), _row("bf16+compile", 3.83, 12.92, 0.012, 14.4)]
+    lines = markdown_rows(rows).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head[:5] == ["config", "baseline s/image", "s/image (median)", "ms/step", "speedup vs its baseline"]
+    cells = [[c.strip().strip("*") for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert len(cells) == 4
+    for c in cells:
+        base, s, speedup = float(c[1]), float(c[2]), float(c[4].rstrip("x"))
+        assert speedup == pytest.approx(base / s, abs=0.01)
+    assert [c[1] for c in cells] == ["5.360", "5.360", "12.920", "12.920"]
+    bold = [[i for i, c in enumerate(line.strip("|").split("|")) if c.strip().startswith("**")] for line in lines[2:]]
+    assert 2 in bold[1] and 4 in bold[3]  # fastest s/image: fp8+compile; largest speedup (3.37x): bf16+compile
+    assert 7 in bold[3] and 7 not in bold[0]  # smallest error among the accelerated rows; baselines read '-'
+    assert cells[0][7] == "-" and cells[0][8] == "-"
