@@ -36,11 +36,27 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
 
 
+# ComfyUI's attentions that query free memory inside the model call (psutil, torch.cuda.mem_get_info): dynamo cannot
+# trace that inside a compiled block region ("UncapturedHigherOrderOpError ... builtin open"). ComfyUI picks one of
+# them on a CPU unless started with --use-pytorch-cross-attention.
+UNTRACEABLE = ("attention_sub_quad", "attention_split")
+
+
+def comfy_attention_name() -> str:
+    """The attention function ComfyUI chose at start for FLUX (comfy.ldm.flux.math.optimized_attention)."""
+    import comfy.ldm.flux.math as fm
+
+    fn = getattr(fm.optimized_attention, "__wrapped__", fm.optimized_attention)
+    return getattr(fn, "__name__", repr(fn))
+
+
 def sdpa_cudnn_first(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                      skip_output_reshape=False, **kwargs):
-    """An optimized_attention_override: FLUX's call (head-split q/k/v, skip_reshape=True) on CUDA goes to `sdpa`;
-    anything else to ComfyUI's own attention function `func`, unchanged."""
-    if not (skip_reshape and q.is_cuda and not kwargs.get("enable_gqa")):
+    """An optimized_attention_override: FLUX's call (head-split q/k/v, skip_reshape=True) on CUDA goes to `sdpa`, and
+    on any device where ComfyUI's own choice cannot be compiled (UNTRACEABLE: PyTorch SDPA is what
+    --use-pytorch-cross-attention would pick); anything else to ComfyUI's own attention function `func`, unchanged."""
+    fits = skip_reshape and not kwargs.get("enable_gqa")
+    if not (fits and (q.is_cuda or getattr(func, "__name__", "") in UNTRACEABLE)):
         return func(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
                     skip_output_reshape=skip_output_reshape, **kwargs)
     b, _, _, dim_head = q.shape

@@ -201,6 +201,7 @@ class CompileStats:
     # compiled and written for the next process), or why there is no package (it then re-traces after a restart)
     warm_start: dict[ShapeKey, str] = field(default_factory=dict)
     warm_start_off: str = ""  # why warm-start packages are not used at all here ("" when they are)
+    attention_note: str = ""  # set when the compiled model runs SDPA in place of ComfyUI's attention (attention.py)
     # last warm calls: host seconds spent inside the call (graph replay is asynchronous, so on a GPU this is the
     # launch overhead: guards, input checks, replay) and (start, end) CUDA events around it (device time)
     host_s: deque = field(default_factory=lambda: deque(maxlen=256))
@@ -433,6 +434,7 @@ class CompiledFlux(torch.nn.Module):
     # -- telemetry: compile facts of a first call, timings and graph health of warm ones -----------------------
     def _first_call(self, key: ShapeKey, x, timestep, context, transformer_options, kwargs):
         st = self.stats
+        self._say_attention(x, transformer_options)
         t0 = time.perf_counter()
         skips_before, phases_before = cudagraph_skips(), _phase_totals()
         # the compile artifacts of this call are recorded for this model's cache file only (compile_cache.py)
@@ -456,6 +458,17 @@ class CompiledFlux(torch.nn.Module):
         if self.on_compiled is not None:
             self.on_compiled(self)
         return out
+
+    def _say_attention(self, x, transformer_options) -> None:
+        """Log once when the compiled model runs PyTorch SDPA in place of ComfyUI's untraceable attention."""
+        from .attention import OVERRIDE_KEY, UNTRACEABLE, comfy_attention_name
+
+        name = comfy_attention_name()
+        if name in UNTRACEABLE and OVERRIDE_KEY not in transformer_options and not self.stats.attention_note:
+            self.stats.attention_note = (
+                f"ComfyUI runs {name} here, which reads free memory inside the model and cannot be compiled; the "
+                f"compiled model uses PyTorch SDPA instead (what --use-pytorch-cross-attention selects)")
+            log.info("FluxAccel: %s", self.stats.attention_note)
 
     def _warm_call(self, key: ShapeKey, x, timestep, context, transformer_options, kwargs):
         st = self.stats

@@ -43,7 +43,7 @@ def describe(model) -> dict:
                           "calls": st.calls, "graph_step_marks": st.marks, "eager_calls": st.eager_calls,
                           "cache_loaded": st.cache_loaded, "graph_skips": sum(st.graph_skips.values()),
                           "warm_start": {k.describe(): v for k, v in st.warm_start.items()},
-                          "warm_start_off": st.warm_start_off,
+                          "warm_start_off": st.warm_start_off, "attention_note": st.attention_note,
                           "graphs_off_reason": st.graphs_off_reason,
                           "graph_rerecords": st.rerecords(),
                           "graphs_lost": {k.describe(): v for k, v in st.graphs_lost.items()},

@@ -317,3 +317,22 @@ def test_attention_override_is_honoured_compiled(tiny_flux, counters):
     clone, _ = apply_compile(m, CompileConfig(cuda_graphs=False, block_regions=False))
     out = _sample(clone, steps=1)
     assert _rel(out, eager) < 0.02 < _rel(out, ref), (_rel(out, eager), _rel(out, ref))
+
+
+def test_comfyuis_cpu_attention_is_replaced_by_sdpa_in_the_compiled_model(tiny_flux, counters, monkeypatch, caplog):
+    """ComfyUI started with --cpu alone runs sub-quadratic attention, which reads free memory inside the model: under
+    block regions dynamo raised a raw UncapturedHigherOrderOpError. The compiled clone runs PyTorch SDPA instead
+    (what --use-pytorch-cross-attention selects) and says so; the eager model keeps ComfyUI's attention."""
+    import comfy.ldm.flux.math as fm
+    import comfy.ldm.modules.attention as attn
+    from core.patches import describe
+
+    ref = _sample(tiny_flux, steps=1)  # PyTorch attention (the test host's choice, tools/host.py)
+    monkeypatch.setattr(fm, "optimized_attention", attn.wrap_attn(attn.attention_sub_quad))
+    sub_quad = _sample(tiny_flux, steps=1)
+    clone, c = apply_compile(tiny_flux, CompileConfig(cuda_graphs=False))
+    with caplog.at_level("INFO", logger="fluxaccel.compile"):
+        out = _sample(clone, steps=1)
+    assert _rel(out, ref) < 0.02 and _rel(sub_quad, ref) < 0.02, (_rel(out, ref), _rel(sub_quad, ref))
+    note = describe(clone)["compile"]["attention_note"]
+    assert "attention_sub_quad" in note and "--use-pytorch-cross-attention" in note and note in caplog.text
