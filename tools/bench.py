@@ -247,7 +247,11 @@ def main(argv=None) -> int:
                     node = data.get("node")
                     bar = bars.get(node)
                     if bar is None:
-                        bar = bars[node] = tqdm(total=data["max"], desc=titles.get(node, node), unit="step")
+                        # no rate: a Benchmark's steps include its first runs (compile) and the eager ones, so
+                        # tqdm's average would be no model's s/step; the table below has the measured ones
+                        bar = bars[node] = tqdm(total=data["max"], desc=titles.get(node, node), unit="step",
+                                                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                                                           "steps [{elapsed}]")
                     bar.n = data["value"]
                     bar.refresh()
 
