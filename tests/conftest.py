@@ -32,10 +32,12 @@ def _private_compile_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_warm_start(tmp_path, monkeypatch):
+def _fresh_warm_start(request, tmp_path, monkeypatch):
     """Each in-process test compiles into a folder of its own: a warm-start package written by an earlier test (same
-    tiny model layout) would otherwise be loaded, and the test would see no compile. Servers keep the session's."""
-    monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path / "compile-cache"))
+    tiny model layout) would otherwise be loaded, and the test would see no compile. Server (e2e) tests keep the
+    session's folder, which their server was started with."""
+    if request.node.get_closest_marker("e2e") is None:
+        monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path / "compile-cache"))
 
 
 @pytest.fixture
