@@ -46,9 +46,11 @@ def _branches(prefix: str, unet: str, size: int, seed: int) -> dict:
     return g
 
 
-def _counts(server) -> tuple[int, int]:
+def _counts(server) -> tuple[int, int, int]:
+    """Shapes made ready (compiled, or loaded from a warm-start package), dynamo recompiles, packages saved/loaded."""
     log = server.log_path.read_text(errors="replace")
-    return len(re.findall(r"FluxAccel: compiled ", log)), len(re.findall(r"Recompiling function", log))
+    return (len(re.findall(r"FluxAccel: compiled ", log)), len(re.findall(r"Recompiling function", log)),
+            len(re.findall(r"FluxAccel: (?:saved|loaded) warm-start package", log)))
 
 
 def test_dev_and_schnell_shapes_in_one_server(logged_server):
@@ -64,6 +66,7 @@ def test_dev_and_schnell_shapes_in_one_server(logged_server):
         if i == 0:
             first = _counts(srv)
             assert first[0] == 2, srv.log_tail()
-            # the log is live: dynamo reports the second model's first compile as a recompile of Flux.forward
-            assert first[1] >= 1, srv.log_tail()
+            # the log is live: each model's shape went through a warm-start package (written here, or loaded when an
+            # earlier test of this server wrote it); their compiles are not dynamo recompiles of one another
+            assert first[2] >= 2, srv.log_tail()
     assert _counts(srv) == first, "a compiled model was compiled again:\n" + srv.log_tail(80)
