@@ -434,7 +434,7 @@ class CompiledFlux(torch.nn.Module):
     # -- telemetry: compile facts of a first call, timings and graph health of warm ones -----------------------
     def _first_call(self, key: ShapeKey, x, timestep, context, transformer_options, kwargs):
         st = self.stats
-        self._say_attention(x, transformer_options)
+        self._say_attention(transformer_options)
         t0 = time.perf_counter()
         skips_before, phases_before = cudagraph_skips(), _phase_totals()
         # the compile artifacts of this call are recorded for this model's cache file only (compile_cache.py)
@@ -459,7 +459,7 @@ class CompiledFlux(torch.nn.Module):
             self.on_compiled(self)
         return out
 
-    def _say_attention(self, x, transformer_options) -> None:
+    def _say_attention(self, transformer_options) -> None:
         """Log once when the compiled model runs PyTorch SDPA in place of ComfyUI's untraceable attention."""
         from .attention import OVERRIDE_KEY, UNTRACEABLE, comfy_attention_name
 

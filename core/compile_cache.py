@@ -146,12 +146,15 @@ def _manager():
 
 
 def clear(directory: Path | None = None) -> int:
-    """Delete FluxAccel's compile-cache files (only *.bin files that carry our header). Returns how many."""
+    """Delete FluxAccel's compile-cache files and warm-start packages (only files that carry our headers)."""
+    from .warm_start import MAGIC as WARM_MAGIC, SUFFIX as WARM_SUFFIX
+
     d = Path(directory) if directory else default_dir()
     n = 0
-    for f in d.glob("*.bin") if d.is_dir() else []:
-        with open(f, "rb") as fh:
-            if fh.read(len(MAGIC)) == MAGIC:
-                f.unlink()
-                n += 1
+    for pattern, magic in (("*.bin", MAGIC), (f"*{WARM_SUFFIX}", WARM_MAGIC)):
+        for f in d.glob(pattern) if d.is_dir() else []:
+            with open(f, "rb") as fh:
+                if fh.read(len(magic)) == magic:
+                    f.unlink()
+                    n += 1
     return n

@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -61,8 +62,6 @@ def _describe(value: Any, where: str) -> Any:
     if isinstance(value, (list, tuple)):
         return [_describe(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if callable(value):
-        import types
-
         qual = getattr(value, "__qualname__", "")
         if not isinstance(value, types.FunctionType) or value.__closure__ or "<" in qual:
             raise NotPackageable(f"{where} is {value!r}, not a module-level function")
@@ -185,13 +184,3 @@ class WarmStart:
                         "shape again", path, type(e).__name__, e)
             return False
 
-
-def clear(directory: Path) -> int:
-    """Delete FluxAccel's warm-start files in directory (only files that carry our header). Returns how many."""
-    n = 0
-    for f in Path(directory).glob(f"*{SUFFIX}") if Path(directory).is_dir() else []:
-        with open(f, "rb") as fh:
-            if fh.read(len(MAGIC)) == MAGIC:
-                f.unlink()
-                n += 1
-    return n
