@@ -20,6 +20,7 @@ shape compiles again (and its package is rewritten).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import io
@@ -38,6 +39,10 @@ log = logging.getLogger("fluxaccel.cache")
 
 MAGIC = b"FLUXACCEL-WARM-START 1\n"
 SUFFIX = ".warm"
+
+# packages this process has "loaded" and "saved" (a loaded one runs without dynamo tracing anything, so dynamo's
+# counters do not see it: together they count the compiled graphs a process has made)
+counts: collections.Counter = collections.Counter()
 
 
 def available() -> tuple[bool, str]:
@@ -158,6 +163,7 @@ class WarmStart:
             with torch._inductor.config.patch(options or {}):
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload))
             _skip_guard_check(fn)
+            counts["loaded"] += 1
             log.info("FluxAccel: loaded warm-start package %s in %.2f s (no tracing)", path, time.perf_counter() - t0)
             return fn
         except Exception as e:  # never break a run: warn, compile again, and the package is rewritten
@@ -177,6 +183,7 @@ class WarmStart:
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_bytes(MAGIC + json.dumps(meta, sort_keys=True).encode() + b"\n" + payload)
             os.replace(tmp, path)
+            counts["saved"] += 1
             log.info("FluxAccel: saved warm-start package %s (%d bytes)", path, len(payload))
             return True
         except Exception as e:

@@ -4,6 +4,26 @@ from __future__ import annotations
 import torch
 
 
+def clear_compile_counters() -> None:
+    """Clear dynamo's counters and the warm-start package counts (what compiled_graphs reads)."""
+    from torch._dynamo.utils import counters
+
+    from core import warm_start
+
+    counters.clear()
+    warm_start.counts.clear()
+
+
+def compiled_graphs() -> int:
+    """Compiled graphs this process has made since clear_compile_counters: traced by dynamo, or loaded from a
+    warm-start package (which traces nothing: tests share the package folder, conftest.py)."""
+    from torch._dynamo.utils import counters
+
+    from core import warm_start
+
+    return counters["stats"]["unique_graphs"] + warm_start.counts["loaded"]
+
+
 def flux_inputs(dm, batch=1, hw=16, text_len=16, seed=0, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, 16, hw, hw, generator=g).to(dtype)

@@ -17,6 +17,7 @@ import logging
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,23 +29,31 @@ from tools.comfy_server import ComfyServer  # noqa: E402
 log = logging.getLogger("fluxaccel.prebuild")
 
 
+@dataclass
+class Prebuilt:
+    written: list[Path]  # warm-start packages the run wrote (new, or rewritten after a stale/foreign one)
+    loaded: int  # packages the run loaded instead of compiling (already in the folder)
+
+
 def prebuild(workflow: dict, comfy_dir: Path, cache_dir: Path, server_args: list[str], models_dir: Path | None = None,
-             timeout: float = 3600) -> list[Path]:
-    """Run the workflow once with FLUXACCEL_CACHE_DIR=cache_dir; the warm-start packages it wrote (new or rewritten)."""
+             timeout: float = 3600, cpu_fp8: bool = False) -> Prebuilt:
+    """Run the workflow once in a new ComfyUI server with FLUXACCEL_CACHE_DIR=cache_dir."""
     ours = {n["class_type"] for n in workflow.values()} & {"FluxAccelCompile"}
     if not ours:
         raise SystemExit("the workflow has no Compile + CUDA Graph (FluxAccel) node: there is nothing to pre-build")
     cache_dir.mkdir(parents=True, exist_ok=True)
-    before = {p: p.stat().st_mtime for p in cache_dir.glob(f"*{SUFFIX}")}
+    before = {p: p.stat().st_mtime_ns for p in cache_dir.glob(f"*{SUFFIX}")}
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="fluxaccel-prebuild-") as work:
         srv = ComfyServer(comfy_dir, Path(work), models_dir or comfy_dir / "models", tuple(server_args),
-                          env={"FLUXACCEL_CACHE_DIR": str(cache_dir)})
+                          env={"FLUXACCEL_CACHE_DIR": str(cache_dir)}, cpu_fp8=cpu_fp8)
         with srv:
             srv.run(workflow, timeout=timeout)
-    written = sorted(p for p in cache_dir.glob(f"*{SUFFIX}") if before.get(p) != p.stat().st_mtime)
-    log.info("%d warm-start package(s) written to %s in %.0f s", len(written), cache_dir, time.time() - t0)
-    return written
+        loaded = srv.log_path.read_text(errors="replace").count("FluxAccel: loaded warm-start package")
+    written = sorted(p for p in cache_dir.glob(f"*{SUFFIX}") if before.get(p) != p.stat().st_mtime_ns)
+    log.info("%d warm-start package(s) written to %s, %d loaded from it, in %.0f s", len(written), cache_dir, loaded,
+             time.time() - t0)
+    return Prebuilt(written, loaded)
 
 
 def main() -> int:
@@ -57,8 +66,13 @@ def main() -> int:
     ap.add_argument("--server-arg", action="append", default=[], help="a ComfyUI launch flag, as your workers use it")
     a = ap.parse_args()
     workflow = json.loads(a.workflow.read_text())
-    for p in prebuild(workflow, a.comfyui, a.cache_dir, a.server_arg, a.models_dir):
+    done = prebuild(workflow, a.comfyui, a.cache_dir, a.server_arg, a.models_dir)
+    for p in done.written:
         print(p)
+    if not done.written and not done.loaded:
+        log.error("the workflow ran but no warm-start package was written or loaded: see the warnings above (e.g. "
+                  "persistent_cache off on the Compile node, or a shape that cannot be packaged)")
+        return 1
     return 0
 
 

@@ -1,13 +1,13 @@
 """core/warmup.py: shapes registered and compiled before the real run; the real run compiles nothing."""
 import pytest
 import torch
-import torch._dynamo.utils as dynamo_utils
 
 from core.compile import CompileConfig, ShapeKey
 from core.compile_patch import apply_compile, compiled_of
 from core.errors import FluxAccelError
 from core.test_models import synthetic_conditioning
 from core.warmup import parse_resolutions, warmup
+from fluxaccel_testing import clear_compile_counters, compiled_graphs
 
 
 def test_parse_resolutions():
@@ -22,7 +22,7 @@ def test_parse_resolutions():
 def test_warmup_then_real_runs_compile_nothing(tiny_flux):
     import comfy.sample
 
-    dynamo_utils.counters.clear()
+    clear_compile_counters()
     torch._dynamo.reset()
     upstream, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict"))
     ticks = []
@@ -33,14 +33,14 @@ def test_warmup_then_real_runs_compile_nothing(tiny_flux):
     assert compiled.stats.shapes == [] and compiled_of(model) is not compiled, "the Compile node's output is unchanged"
     assert compiled.stats.compile_seconds.keys() == compiled_of(model).stats.compile_seconds.keys(), \
         "what the shared compiled callable compiled is known to both (no second 'compiled' for a shared shape)"
-    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
-    assert graphs == 2  # one graph per warmed shape
+    graphs = compiled_graphs()
+    assert graphs == 2  # one graph per warmed shape (traced, or loaded from an earlier test's package)
     pos = synthetic_conditioning("tiny", text_len=16, seed=42)
     for h, w in ((16, 16), (24, 16)):  # the user's prompts: other text, other seed, both warmed shapes
         latent = torch.zeros(1, 16, h, w)
         comfy.sample.sample(model, comfy.sample.prepare_noise(latent, 7), 3, 1.0, "euler", "simple", pos, pos, latent,
                             disable_pbar=True, seed=7)
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "warmed shapes must not compile again"
+    assert compiled_graphs() == graphs, "warmed shapes must not compile again"
     with pytest.raises(FluxAccelError, match="compiled for batch 1, latent 16x16 .*; batch 1, latent 24x16"):
         latent = torch.zeros(1, 16, 32, 32)
         comfy.sample.sample(model, latent, 1, 1.0, "euler", "simple", pos, pos, latent, disable_pbar=True, seed=0)
@@ -59,15 +59,15 @@ def test_a_sibling_branch_of_the_compile_output_keeps_its_strict_policy(tiny_flu
     the sibling is strict (its first shape only), and reuses the warmed graph for it (no new compile)."""
     import comfy.sample
 
-    dynamo_utils.counters.clear()
+    clear_compile_counters()
     torch._dynamo.reset()
     upstream, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict"))
     warmup(upstream, [(128, 128), (128, 192)], text_length=16, steps=1)
-    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    graphs = compiled_graphs()
     pos = synthetic_conditioning("tiny", text_len=16, seed=42)
     latent = torch.zeros(1, 16, 16, 16)
     comfy.sample.sample(upstream, latent, 1, 1.0, "euler", "simple", pos, pos, latent, disable_pbar=True, seed=0)
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    assert compiled_graphs() == graphs
     with pytest.raises(FluxAccelError, match="compiled for batch 1, latent 16x16 .*, but received batch 1, latent 24x16"):
         latent = torch.zeros(1, 16, 24, 16)
         comfy.sample.sample(upstream, latent, 1, 1.0, "euler", "simple", pos, pos, latent, disable_pbar=True, seed=0)

@@ -34,11 +34,12 @@ def test_clean_clone_into_a_fresh_comfyui_starts(tmp_path):
     commands = _readme_install_commands()
     assert commands[0] == "cd ComfyUI/custom_nodes" and commands[1].startswith("git clone ")
     cwd = tmp_path
-    for cmd in commands:  # the README's commands, with this checkout as <this repository>, ComfyUI's Python
+    for cmd in commands:  # the README's commands, with this checkout for the repository's URL, ComfyUI's Python
         if cmd.startswith("cd "):
             cwd = cwd / cmd[3:]
             continue
-        cmd = cmd.replace("<this repository>", str(ROOT)).replace("python ", f"{sys.executable} ", 1)
+        url = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
+        cmd = cmd.replace(url, str(ROOT)).replace("python ", f"{sys.executable} ", 1)
         p = subprocess.run(cmd, shell=True, cwd=cwd, capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, f"{cmd}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
     plugin = comfy / "custom_nodes" / "comfyui-fluxaccel"
