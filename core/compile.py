@@ -22,6 +22,7 @@ from typing import Literal
 
 import torch
 
+from .compile_progress import CompileWatch
 from .errors import FluxAccelError
 from .rope import torch_rope
 
@@ -251,6 +252,8 @@ class CompiledFlux(torch.nn.Module):
 
             self.regions = BlockRegions(dm)
         self.on_compiled = None  # called with self after each new shape compiled (the node tells the editor)
+        self.on_progress = None  # compile_progress.Report: (text, seconds) every second while a shape compiles
+        self._watch = None  # the CompileWatch of the compile in progress (it says when a package is loading)
         self.warm = None  # warm-start packages (warm_start.py), with the persistent cache
         self._runners: dict[str, object] = {}  # call signature -> its package's compiled call; None: torch.compile
         if cfg.persistent_cache:
@@ -414,7 +417,13 @@ class CompiledFlux(torch.nn.Module):
 
         st = self.stats
         t0 = time.perf_counter()
-        run = self.warm.load(sig, self.cfg.inductor_options(self.device))
+        if self._watch is not None:
+            self._watch.loading = True
+        try:
+            run = self.warm.load(sig, self.cfg.inductor_options(self.device))
+        finally:
+            if self._watch is not None:
+                self._watch.loading = False
         if run is not None:
             st.warm_start[key] = "loaded"
             st.compile_phases.setdefault(key, {})["warm_start_load"] = round(time.perf_counter() - t0, 2)
@@ -439,9 +448,13 @@ class CompiledFlux(torch.nn.Module):
         skips_before, phases_before = cudagraph_skips(), _phase_totals()
         # the compile artifacts of this call are recorded for this model's cache file only (compile_cache.py)
         recording = self.cache.recording() if self.cache is not None else contextlib.nullcontext()
-        out = self._run(key, x, timestep, context, transformer_options, kwargs, recording)
-        if out.is_cuda:
-            torch.cuda.synchronize(out.device)
+        with CompileWatch(self.on_progress, key.describe()) as self._watch:
+            try:
+                out = self._run(key, x, timestep, context, transformer_options, kwargs, recording)
+                if out.is_cuda:
+                    torch.cuda.synchronize(out.device)
+            finally:
+                self._watch = None
         st.compile_seconds[key] = time.perf_counter() - t0
         st.compile_phases[key] = {**st.compile_phases.get(key, {}), **{
             k: round(v - phases_before[k], 2) for k, v in _phase_totals().items() if v - phases_before[k] > 0}}

@@ -10,12 +10,15 @@ from typing import Callable
 import torch
 
 from .compile import ShapeKey, dtype_name
+from .compile_progress import Report
 from .compile_patch import with_own_shapes
 from .errors import FluxAccelError
 from .flux import require_flux
 from .test_models import synthetic_conditioning_for
 
 log = logging.getLogger("fluxaccel.warmup")
+
+TICKS = 100  # the Warmup node's progress-bar units per sampling step: its bar also moves inside a step that compiles
 
 
 def parse_resolutions(text: str) -> list[tuple[int, int]]:
@@ -39,10 +42,11 @@ def parse_resolutions(text: str) -> list[tuple[int, int]]:
 
 def warmup(model, resolutions: list[tuple[int, int]], batch_size: int = 1, text_length: int = 256, cfg: float = 1.0,
            steps: int = 2, positive=None, negative=None, sampler: str = "euler", scheduler: str = "simple",
-           on_step: Callable[[], None] | None = None):
+           on_step: Callable[[], None] | None = None, on_compile: Report | None = None):
     """Sample `steps` steps at each resolution. Returns (model, {shape description: seconds of its first sampling
     run}): a clone whose compiled model allows these shapes; the input model (the Compile node's output) keeps its
-    own shapes and policy, also when warming up fails."""
+    own shapes and policy, also when warming up fails. on_compile(text, seconds): every second while a shape
+    compiles (compile_progress.py)."""
     import comfy.sample
 
     dm = require_flux(model, "Warmup (FluxAccel)")
@@ -63,8 +67,15 @@ def warmup(model, resolutions: list[tuple[int, int]], batch_size: int = 1, text_
         latent = torch.zeros(batch_size, ch, h // 8, w // 8)
         noise = comfy.sample.prepare_noise(latent, 0)
         t0 = time.perf_counter()
-        comfy.sample.sample(model, noise, steps, cfg, sampler, scheduler, positive, negative, latent,
-                            callback=(lambda *a: on_step()) if on_step else None, disable_pbar=True, seed=0)
+        before = compiled.on_progress if compiled is not None else None
+        if compiled is not None and on_compile is not None:
+            compiled.on_progress = on_compile
+        try:
+            comfy.sample.sample(model, noise, steps, cfg, sampler, scheduler, positive, negative, latent,
+                                callback=(lambda *a: on_step()) if on_step else None, disable_pbar=True, seed=0)
+        finally:
+            if compiled is not None:
+                compiled.on_progress = before
         seconds[key.describe()] = time.perf_counter() - t0
         log.info("FluxAccel warmup: %s ready in %.1f s", key.describe(), seconds[key.describe()])
     return model, seconds

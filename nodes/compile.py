@@ -4,7 +4,7 @@ from ..core import compile_cache
 from ..core.compile import MODES, POLICIES, CompileConfig
 from ..core.compile_patch import apply_compile
 from . import ids
-from .events import compiled_notifier
+from .events import compiled_notifier, progress_text
 from .validation import one_of
 
 
@@ -61,6 +61,7 @@ class Compile(io.ComfyNode):
                             block_regions=block_regions)
         clone, compiled = apply_compile(model, cfg)
         compiled.on_compiled = compiled_notifier(cls.hidden.unique_id)
+        compiled.on_progress = progress_text(cls.hidden.unique_id)
         text = f"compile on first use: {compiled.cfg}"
         if compiled.stats.graphs_off_reason:
             text += f"\nCUDA graphs off: {compiled.stats.graphs_off_reason}"

@@ -30,3 +30,20 @@ def compiled_notifier(node_id: str | None):
         except Exception as e:  # the editor badge is a nicety: never fail a prompt over it
             log.debug("FluxAccel: could not notify the editor (%s)", e)
     return notify
+
+
+def progress_text(node_id: str | None):
+    """A compile_progress.Report that shows the compile's progress as text on node `node_id` in the editor (ComfyUI's
+    progress-text websocket message, to the client that queued the prompt) and in the log every 10 s."""
+    last = [-10.0]
+
+    def report(text: str, seconds: float) -> None:
+        if seconds - last[0] >= 10 or not seconds or "after" in text:
+            last[0] = seconds
+            log.info("FluxAccel: %s", text)
+        if node_id is None:
+            return
+        from server import PromptServer
+
+        PromptServer.instance.send_progress_text(text, str(node_id), PromptServer.instance.client_id)
+    return report

@@ -1,9 +1,34 @@
+import math
+
 import comfy.utils
 from comfy_api.latest import io, ui
 
-from ..core.warmup import parse_resolutions, warmup
+from ..core.warmup import TICKS, parse_resolutions, warmup
 from . import ids
+from .events import progress_text
 from .validation import parses
+
+class _Bar:
+    """Warmup's progress bar: a full step per sampling step; while a step compiles, up to 90 % of it, on a time
+    scale of a 45 s compile (an estimate: the text beside it says the phase and the seconds)."""
+
+    def __init__(self, steps: int, node_id: str | None):
+        self.bar, self.done, self.text = comfy.utils.ProgressBar(steps * TICKS, node_id=node_id), 0, progress_text(node_id)
+
+    def step(self) -> None:
+        self.done += 1
+        self.bar.update_absolute(self.done * TICKS)
+
+    def compiling(self, text: str, seconds: float) -> None:
+        """Called from the compile's watcher thread. ComfyUI's progress hook takes a pending interrupt (it clears the
+        flag and raises): here it would be lost to the sampler's thread, so the flag is set again for it."""
+        import comfy.model_management as mm
+
+        self.text(text, seconds)
+        try:
+            self.bar.update_absolute(self.done * TICKS + int(0.9 * TICKS * (1 - math.exp(-seconds / 45))))
+        except mm.InterruptProcessingException:
+            mm.interrupt_current_processing(True)
 
 
 class Warmup(io.ComfyNode):
@@ -31,6 +56,8 @@ class Warmup(io.ComfyNode):
             ],
             outputs=[io.Model.Output(tooltip="The model, compiled and captured at these shapes, which it allows; the "
                                              "input (the Compile node's output) keeps its own shapes and policy.")],
+            hidden=[io.Hidden.unique_id],
+            is_output_node=True,  # runs without anything downstream: a workflow may only warm the server (prebuild)
         )
 
     @classmethod
@@ -40,8 +67,8 @@ class Warmup(io.ComfyNode):
     @classmethod
     def execute(cls, model, resolutions, batch_size, text_length, cfg, steps, positive=None, negative=None) -> io.NodeOutput:
         res = parse_resolutions(resolutions)
-        pbar = comfy.utils.ProgressBar(len(res) * steps)
+        bar = _Bar(len(res) * steps, cls.hidden.unique_id)
         warmed, secs = warmup(model, res, batch_size, text_length, cfg, steps, positive, negative,
-                              on_step=lambda: pbar.update(1))
+                              on_step=bar.step, on_compile=bar.compiling)
         text = "\n".join(f"{shape}: ready in {s:.1f} s" for shape, s in secs.items())
         return io.NodeOutput(warmed, ui=ui.PreviewText(text))

@@ -54,6 +54,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _progress_text(frame: bytes) -> dict | None:
+    """ComfyUI's binary progress-text message (event 3: node id length, node id, UTF-8 text) as {node, text}."""
+    import struct
+
+    if len(frame) < 8 or struct.unpack(">I", frame[:4])[0] != 3:
+        return None
+    n = struct.unpack(">I", frame[4:8])[0]
+    return {"node": frame[8:8 + n].decode(), "text": frame[8 + n:].decode(errors="replace")}
+
+
 class ComfyServer:
     def __init__(self, comfy_dir: Path, workdir: Path, models_dir: Path, extra_args: tuple[str, ...] = (),
                  env: dict | None = None, port: int | None = None, cpu_fp8: bool = False):
@@ -228,10 +238,15 @@ class ComfyServer:
                         if self.proc and self.proc.poll() is not None:
                             raise RuntimeError(f"ComfyUI died:\n{self.log_tail()}")
                         continue
+                    if msg.type == aiohttp.WSMsgType.BINARY:
+                        text = _progress_text(msg.data)
+                        if text is not None:
+                            on_event("progress_text", text)
+                        continue  # otherwise a preview image
                     if msg.type != aiohttp.WSMsgType.TEXT:
                         if msg.type in (aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
                             break
-                        continue  # binary previews
+                        continue
                     ev = json.loads(msg.data)
                     data = ev.get("data", {})
                     if data.get("prompt_id") not in (None, prompt_id):
