@@ -250,20 +250,30 @@ _COLUMNS = (
 )
 
 
-def markdown_rows(rows: list[dict]) -> str:
-    """The results as a markdown table (the node's text, the headless command's terminal table): each row with the
-    baseline its speedup is against (rows of several Benchmark nodes have different ones), the best value of each
-    column in bold. A baseline row's error columns read '-' (it is the reference)."""
+def table_cells(rows: list[dict]) -> dict:
+    """The results table as cells: {"columns": headings, "rows": [{"config", "cells": texts, "best": flags}]}. Each
+    row carries the baseline its speedup is against (rows of several Benchmark nodes have different ones); the best
+    value of each column is flagged; a baseline row's error columns read '-' (it is the reference). The node's
+    rendered table (web/fluxaccel.js) and markdown_rows are both made from it."""
     values = [[get(r) for _, get, _, _ in _COLUMNS] for r in rows]
     best = []
     for i, (_, _, _, pick) in enumerate(_COLUMNS):
         present = [v[i] for v in values if v[i] is not None]
         best.append(pick(present) if pick and len(present) > 1 else None)
-    lines = ["| config | " + " | ".join(h for h, _, _, _ in _COLUMNS) + " |", "|---" * (len(_COLUMNS) + 1) + "|"]
+    out = []
     for r, vals in zip(rows, values):
-        cells = []
-        for (_, _, fmt, _), v, b in zip(_COLUMNS, vals, best):
-            text = "-" if v is None else fmt.format(v)
-            cells.append(f"**{text}**" if v is not None and v == b else text)
+        out.append({"config": r["config"],
+                    "cells": ["-" if v is None else fmt.format(v) for (_, _, fmt, _), v in zip(_COLUMNS, vals)],
+                    "best": [v is not None and v == b for v, b in zip(vals, best)]})
+    return {"columns": ["config"] + [h for h, _, _, _ in _COLUMNS], "rows": out}
+
+
+def markdown_rows(rows: list[dict]) -> str:
+    """table_cells as a markdown table (the node's copyable text, the headless command's terminal table), the best
+    value of each column in bold."""
+    t = table_cells(rows)
+    lines = ["| " + " | ".join(t["columns"]) + " |", "|---" * len(t["columns"]) + "|"]
+    for r in t["rows"]:
+        cells = [f"**{c}**" if b else c for c, b in zip(r["cells"], r["best"])]
         lines.append(f"| {r['config']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -1,51 +1,94 @@
-"""The Benchmark chart: per-step milliseconds of each config (left) and speedup bars (right), drawn with PIL."""
+"""The Benchmark chart, drawn with matplotlib (its object API and Agg canvas: no pyplot, no global style change).
+
+Four panels from the result rows: ms per sampling step of each configuration over its steps (lines, legend, units),
+speedup of each row against its own baseline (bars with their values, 1x marked), first-run seconds and peak VRAM
+(small bar panels). Its own light background and dark text read the same in the editor's light and dark themes.
+`chart_data` is what the chart shows, as numbers (the tests check it; the JSON keeps every one of them).
+"""
 from __future__ import annotations
 
+import math
+
 import numpy as np
-from PIL import Image, ImageDraw
 
-COLORS = [(90, 160, 255), (245, 184, 61), (120, 220, 140), (230, 110, 160), (180, 140, 255), (200, 200, 200)]
-
-
-def render(rows: list[dict], width: int = 960, height: int = 420) -> Image.Image:
-    img = Image.new("RGB", (width, height), (27, 31, 42))
-    d = ImageDraw.Draw(img)
-    pad, mid = 48, int(width * 0.62)
-    # left: per-step time
-    series = [(r["config"], [1000 * t for t in r.get("step_times") or []]) for r in rows]
-    ymax = max((max(s) for _, s in series if s), default=1.0) * 1.1
-    n = max((len(s) for _, s in series), default=1)
-    x0, y0, x1, y1 = pad, pad, mid - pad // 2, height - pad
-    d.rectangle([x0, y0, x1, y1], outline=(90, 90, 100))
-    d.text((x0, 12), "ms per sampling step (median over timed runs)", fill=(230, 230, 230))
-    d.text((x0 - 40, y0), f"{ymax:.0f}", fill=(170, 170, 170))
-    d.text((x0 - 16, y1 - 10), "0", fill=(170, 170, 170))
-    for i, (name, s) in enumerate(series):
-        color = COLORS[i % len(COLORS)]
-        pts = [(x0 + (x1 - x0) * (k + 0.5) / n, y1 - (y1 - y0) * v / ymax) for k, v in enumerate(s)]
-        if len(pts) > 1:
-            d.line(pts, fill=color, width=2)
-        for p in pts:
-            d.ellipse([p[0] - 2, p[1] - 2, p[0] + 2, p[1] + 2], fill=color)
-        d.text((x0 + 8, y0 + 8 + 14 * i), name, fill=color)
-    # right: speedup bars
-    bx0, bx1 = mid + pad // 2, width - pad // 2
-    d.text((bx0, 12), "speedup vs baseline (median s/image)", fill=(230, 230, 230))
-    smax = max([r["speedup_vs_eager"] for r in rows] + [1.0]) * 1.15
-    bar_h = (y1 - y0) / max(len(rows), 1)
-    for i, r in enumerate(rows):
-        color = COLORS[i % len(COLORS)]
-        top = y0 + i * bar_h + 4
-        w = (bx1 - bx0) * r["speedup_vs_eager"] / smax
-        d.rectangle([bx0, top, bx0 + w, top + bar_h - 8], fill=color)
-        d.text((bx0 + 4, top + 2), f"{r['speedup_vs_eager']:.2f}x  {r['config']}", fill=(20, 20, 20))
-    one = bx0 + (bx1 - bx0) / smax
-    d.line([(one, y0), (one, y1)], fill=(230, 230, 230), width=1)
-    return img
+# colour-blind-safe (Okabe-Ito), dark enough on the light background
+COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#000000")
+SIZE_IN, DPI = (9.6, 5.6), 100  # 960 x 560 px: the preview keeps ~11 px text legible at the node's default width
 
 
-def to_image_tensor(img: Image.Image):
+class ChartUnavailable(RuntimeError):
+    """matplotlib is not installed: the Benchmark says so in its table instead of drawing."""
+
+
+def chart_data(rows: list[dict]) -> dict:
+    """Per configuration: ms per step (each step of its timed runs, median over runs), speedup vs its baseline,
+    first-run s, peak VRAM GiB (None off-GPU)."""
+    return {
+        "configs": [r["config"] for r in rows],
+        "step_ms": [[1000 * t for t in (r.get("step_times") or [])] for r in rows],
+        "speedup": [r["speedup_vs_eager"] for r in rows],
+        "first_run_s": [r.get("first_run_s") for r in rows],
+        "peak_vram_gib": [r.get("peak_vram_gib") for r in rows],
+    }
+
+
+def _bars(ax, values, fmt, title, unit):
+    """Horizontal bars in the configurations' colours and order (names are in the legend), values written on them."""
+    ax.set_title(title, fontsize=11, loc="left")
+    ax.set_yticks([])
+    shown = [(i, v) for i, v in enumerate(values) if v is not None and math.isfinite(v)]
+    if not shown:
+        ax.text(0.5, 0.5, "not measured here", ha="center", va="center", transform=ax.transAxes, fontsize=10)
+        ax.set_xticks([])
+        return
+    bars = ax.barh([i for i, _ in shown], [v for _, v in shown], color=[COLORS[i % len(COLORS)] for i, _ in shown])
+    ax.bar_label(bars, labels=[fmt.format(v) for _, v in shown], padding=3, fontsize=10)
+    ax.set_ylim(len(values) - 0.5, -0.5)  # first configuration on top, as in the legend
+    ax.set_xlabel(unit, fontsize=9)
+    ax.margins(x=0.3)
+
+
+def render(rows: list[dict]):
+    """A matplotlib Figure of the rows (to_image_tensor makes it a ComfyUI IMAGE)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ChartUnavailable("the chart needs matplotlib: python -m pip install matplotlib into ComfyUI's Python "
+                               "(FluxAccel's requirements.txt lists it)") from e
+    data = chart_data(rows)
+    names = data["configs"]
+    fig = Figure(figsize=SIZE_IN, dpi=DPI, facecolor="#f7f7f4", layout="constrained")
+    grid = fig.add_gridspec(2, 3, height_ratios=(1.35, 1))
+    steps, speed = fig.add_subplot(grid[0, :2]), fig.add_subplot(grid[0, 2])
+    first, vram, key = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1]), fig.add_subplot(grid[1, 2])
+    for ax in (steps, speed, first, vram):
+        ax.set_facecolor("white")
+        ax.tick_params(labelsize=9)
+    steps.set_title("time per sampling step", fontsize=11, loc="left")
+    for i, ms in enumerate(data["step_ms"]):
+        if ms:
+            steps.plot(range(1, len(ms) + 1), ms, marker="o", lw=2, color=COLORS[i % len(COLORS)])
+    steps.set_xlabel("step", fontsize=9)
+    steps.set_ylabel("ms", fontsize=9)
+    steps.set_ylim(bottom=0)
+    steps.xaxis.get_major_locator().set_params(integer=True)
+    _bars(speed, data["speedup"], "{:.2f}x", "speedup vs its baseline", "x (median s/image)")
+    speed.axvline(1.0, color="#444444", lw=1, ls="--")
+    _bars(first, data["first_run_s"], "{:.1f} s", "first run (compile, capture)", "s")
+    _bars(vram, data["peak_vram_gib"], "{:.1f}", "peak VRAM", "GiB")
+    key.axis("off")
+    handles = [key.plot([], [], color=COLORS[i % len(COLORS)], lw=6)[0] for i in range(len(names))]
+    key.legend(handles, names, loc="center left", fontsize=9, frameon=False, title="configuration",
+               title_fontsize=10, alignment="left")
+    return fig
+
+
+def to_image_tensor(fig):
     """ComfyUI IMAGE: float32 [1, H, W, 3] in 0..1."""
     import torch
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    return torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)[None]
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    rgba = np.asarray(canvas.buffer_rgba(), dtype=np.float32)[..., :3] / 255.0
+    return torch.from_numpy(np.ascontiguousarray(rgba))[None]

@@ -13,7 +13,7 @@ if [ -n "${FLUXACCEL_PYTHON:-}" ]; then
   PY="$FLUXACCEL_PYTHON"
 else
   if [ ! -x .venv/bin/python ]; then say "creating .venv"; python3 -m venv .venv; fi
-  if ! .venv/bin/python -c "import torch, torchvision, torchao, pytest, safetensors, tqdm" 2>/dev/null; then
+  if ! .venv/bin/python -c "import torch, torchvision, torchao, pytest, safetensors, tqdm, matplotlib" 2>/dev/null; then
     say "installing torch, torchao and the test tools into .venv (requirements-dev.txt; several minutes on a fresh machine)"
     .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
   fi

@@ -1,5 +1,7 @@
 // FluxAccel editor extension.
-//  * Our nodes show the report text they return (FP8 summary, Warmup timings, the Benchmark table) inline.
+//  * Our nodes show the report text they return (FP8 summary, Warmup timings) inline; the Benchmark's results are a
+//    rendered HTML table (cells from core/bench.py table_cells, the best value of each column marked) with a button
+//    that copies the same table as markdown.
 //  * The Compile node carries a badge: the shapes its model has compiled, whether CUDA graphs are on, and the
 //    speedup of the last Benchmark run downstream of it. Shapes arrive over the websocket ("fluxaccel.compiled",
 //    sent by nodes/events.py while the sampler compiles), the speedup with the Benchmark node's output.
@@ -22,7 +24,7 @@ const BENCHMARK = "FluxAccelBenchmark";
 const SHAPE_ERROR = "is compiled for"; // core/compile.py's strict-shape error: "...compiled for X, but received Y"
 
 const badges = new Map(); // Compile node id (string) -> {shapes, graphs, speedup}
-window.__fluxaccel = { badges, toasts: [] }; // read by the browser test
+window.__fluxaccel = { badges, toasts: [], copied: [] }; // read by the browser test
 
 function badgeText(b) {
   const parts = [b.shapes?.length ? b.shapes.join(", ") : "compiles on first use"];
@@ -80,6 +82,65 @@ function showReport(node, text) {
   node.setDirtyCanvas(true, true);
 }
 
+const TABLE_CSS = `
+.fluxaccel-table { font: 12px/1.35 sans-serif; color: var(--input-text, #ddd); overflow: auto; height: 100%;
+  box-sizing: border-box; padding: 4px; }
+.fluxaccel-table table { border-collapse: collapse; width: 100%; }
+.fluxaccel-table caption { text-align: left; padding: 2px 4px 6px; opacity: 0.85; }
+.fluxaccel-table th, .fluxaccel-table td { border: 1px solid var(--border-color, #555); padding: 3px 6px;
+  text-align: right; white-space: nowrap; }
+.fluxaccel-table th { background: var(--comfy-input-bg, #222); font-weight: 600; }
+.fluxaccel-table td:first-child, .fluxaccel-table th:first-child { text-align: left; }
+.fluxaccel-table td.best { font-weight: 700; background: rgba(46, 160, 67, 0.28); }
+.fluxaccel-table button { margin-top: 6px; font: inherit; cursor: pointer; }`;
+
+function tableElement(cells, markdown) {
+  const root = document.createElement("div");
+  root.className = "fluxaccel-table";
+  const table = document.createElement("table");
+  if (cells.caption) table.createCaption().textContent = cells.caption;
+  const head = table.createTHead().insertRow();
+  for (const c of cells.columns) head.appendChild(document.createElement("th")).textContent = c;
+  const body = table.createTBody();
+  for (const r of cells.rows) {
+    const tr = body.insertRow();
+    tr.insertCell().textContent = r.config;
+    r.cells.forEach((text, i) => {
+      const td = tr.insertCell();
+      td.textContent = text;
+      if (r.best[i]) { td.className = "best"; td.title = "best in this column"; }
+    });
+  }
+  const copy = document.createElement("button");
+  copy.textContent = "Copy as markdown";
+  copy.addEventListener("click", async () => {
+    window.__fluxaccel.copied.push(markdown);
+    try { await navigator.clipboard.writeText(markdown); copy.textContent = "Copied"; }
+    catch { copy.textContent = "Copy failed: select the table instead"; }
+    setTimeout(() => { copy.textContent = "Copy as markdown"; }, 2000);
+  });
+  root.append(table, copy);
+  return root;
+}
+
+function showTable(node, cells, markdown) {
+  if (!document.getElementById("fluxaccel-table-css")) {
+    const style = document.head.appendChild(document.createElement("style"));
+    style.id = "fluxaccel-table-css";
+    style.textContent = TABLE_CSS;
+  }
+  const el = tableElement(cells, markdown);
+  let widget = node.widgets?.find((w) => w.name === "fluxaccel_table");
+  if (widget) {
+    widget.element.replaceChildren(...el.childNodes);
+  } else {
+    widget = node.addDOMWidget("fluxaccel_table", "fluxaccel_table", el, {
+      serialize: false, hideOnZoom: false, getMinHeight: () => 60 + 26 * (cells.rows.length + 1),
+    });
+  }
+  node.setDirtyCanvas(true, true);
+}
+
 // The Compile node's badge is one of the frontend's node badges (node.badges, drawn above the title next to the
 // frontend's own): an entry is a function returning {height, getWidth(ctx), draw(ctx, x, y)}, as the frontend's
 // LGraphBadge has (both pinned frontends, 1.32 and 1.49, draw node.badges this way).
@@ -121,7 +182,8 @@ app.registerExtension({
     nodeType.prototype.onExecuted = function (message) {
       onExecuted?.apply(this, arguments);
       const text = (message?.text || []).join("\n");
-      if (text) showReport(this, text);
+      if (nodeData.name === BENCHMARK && message?.fluxaccel_table?.length) showTable(this, message.fluxaccel_table[0], text);
+      else if (text) showReport(this, text);
       if (nodeData.name === COMPILE) updateBadge(this.id, {});
       if (nodeData.name === BENCHMARK && message?.fluxaccel_speedup?.length) {
         const compile = upstreamCompile(this);

@@ -108,3 +108,17 @@ def test_table_shows_each_rows_own_baseline_and_marks_the_best():
     assert 2 in bold[1] and 4 in bold[3]  # fastest s/image: fp8+compile; largest speedup (3.37x): bf16+compile
     assert 7 in bold[3] and 7 not in bold[0]  # smallest error among the accelerated rows; baselines read '-'
     assert cells[0][7] == "-" and cells[0][8] == "-"
+
+
+def test_the_nodes_rendered_table_has_the_markdown_tables_cells():
+    """The editor draws table_cells as an HTML table; the copyable markdown is made from the same cells."""
+    from core.bench import markdown_rows, table_cells
+
+    rows = [_row("eager-bf16", 5.36, 5.36, 0.0, 14.5), _row("fp8+compile", 2.90, 5.36, 0.045, 9.0)]
+    t = table_cells(rows)
+    assert t["columns"][0] == "config" and len(t["columns"]) == 9
+    assert [r["config"] for r in t["rows"]] == ["eager-bf16", "fp8+compile"]
+    assert t["rows"][1]["cells"][:4] == ["5.360", "2.900", f"{1000 * 2.90 / 28:.1f}", "1.85x"]
+    assert t["rows"][1]["best"][1] and not t["rows"][0]["best"][1] and t["rows"][0]["cells"][6] == "-"
+    md = [[c.strip().strip("*") for c in line.strip("|").split("|")] for line in markdown_rows(rows).splitlines()[2:]]
+    assert md == [[r["config"], *r["cells"]] for r in t["rows"]]
