@@ -458,7 +458,11 @@ class CompiledFlux(torch.nn.Module):
         st.compile_seconds[key] = time.perf_counter() - t0
         st.compile_phases[key] = {**st.compile_phases.get(key, {}), **{
             k: round(v - phases_before[k], 2) for k, v in _phase_totals().items() if v - phases_before[k] > 0}}
-        log.info("FluxAccel: compiled %s in %.1f s", key.describe(), st.compile_seconds[key])
+        if st.warm_start.get(key) == "loaded":
+            log.info("FluxAccel: loaded %s from its warm-start package in %.1f s (nothing compiled)", key.describe(),
+                     st.compile_seconds[key])
+        else:
+            log.info("FluxAccel: compiled %s in %.1f s", key.describe(), st.compile_seconds[key])
         skipped = cudagraph_skips() - skips_before
         if skipped and self.graphs_active:
             # inductor fell back to running (part of) the graph without CUDA graphs: correct, but slower

@@ -49,7 +49,7 @@ def _branches(prefix: str, unet: str, size: int, seed: int) -> dict:
 def _counts(server) -> tuple[int, int, int]:
     """Shapes made ready (compiled, or loaded from a warm-start package), dynamo recompiles, packages saved/loaded."""
     log = server.log_path.read_text(errors="replace")
-    return (len(re.findall(r"FluxAccel: compiled ", log)), len(re.findall(r"Recompiling function", log)),
+    return (len(re.findall(r"FluxAccel: (?:compiled|loaded) batch ", log)), len(re.findall(r"Recompiling function", log)),
             len(re.findall(r"FluxAccel: (?:saved|loaded) warm-start package", log)))
 
 
