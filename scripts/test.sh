@@ -3,7 +3,8 @@
 # everything up. FLUXACCEL_COMFYUI=0.33.0 (or 0.3.75) runs one host only. Arguments go to pytest.
 #
 # The two hosts' suites run at the same time, each in its own process tree (own servers, ports, temp folders and
-# compile caches); each one's output goes to .cache/test-<host>.log and is printed when it ends. Much of a CPU test's
+# compile caches); their lines are printed as they come, prefixed with the host, and each suite's whole output
+# (.cache/test-<host>.log) again when it ends. Much of a CPU test's
 # time is single-threaded (Python imports, dynamo tracing, inductor's lowering), so two suites overlap well on a
 # 2-core machine. FLUXACCEL_TEST_SERIAL=1 runs them one after the other, printing as they go.
 set -euo pipefail
@@ -28,13 +29,14 @@ declare -A PIDS
 # one compute thread per suite: two suites of two threads each on two cores spin against each other
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 for h in $HOSTS; do
-  run "$h" "$@" > ".cache/test-$h.log" 2>&1 &
+  # each suite's lines appear as they come, prefixed with its host (one line per test: -v), and go to its log
+  ( set -o pipefail; run "$h" -v "$@" 2>&1 | tee ".cache/test-$h.log" | sed -u "s/^/[$h] /" ) &
   PIDS[$h]=$!
 done
 for h in $HOSTS; do
   rc=0
   wait "${PIDS[$h]}" || rc=$?
-  echo "===== ComfyUI $h: pytest exit $rc (.cache/test-$h.log) ====="
+  echo "===== ComfyUI $h: pytest exit $rc (.cache/test-$h.log, printed whole) ====="
   cat ".cache/test-$h.log"
   [ "$rc" -eq 0 ] || status=$rc
 done
