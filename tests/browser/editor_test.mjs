@@ -33,7 +33,7 @@ try {
   await page.waitForTimeout(1000);
   result.templateCards = await page.locator("[role=dialog]").innerText();
   await page.screenshot({ path: `${out}/templates.png` });
-  await page.locator("[role=dialog]").getByText("fluxaccel_quickstart").first().click();
+  await page.locator("[role=dialog]").getByText("fluxaccel_quickstart", { exact: true }).first().click();
   await page.waitForFunction(() => window.app.graph._nodes.some((n) => n.type === "FluxAccelBenchmark"), null,
     { timeout: 30000 });
   await page.waitForTimeout(1000);
