@@ -31,7 +31,7 @@ log = logging.getLogger("fluxaccel.bench")
 
 CASES = {
     # name: model shape, width, height, steps, text tokens, timed runs
-    "tiny-cpu": dict(shape="e2e", width=64, height=64, steps=3, text_length=16, runs=2),
+    "tiny-cpu": dict(shape="e2e", width=64, height=64, steps=2, text_length=16, runs=2),
     "dev-1024-28": dict(shape="dev", width=1024, height=1024, steps=28, text_length=512, runs=3),
     "schnell-512-4": dict(shape="schnell", width=512, height=512, steps=4, text_length=256, runs=5),
 }

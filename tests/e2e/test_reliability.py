@@ -48,10 +48,10 @@ def test_interrupt_during_sampling_then_correct_result(server):
     assert torch.equal(_latent(server, server.run(_prompt(seed=5, steps=2, tag="after"))), ref)
 
 
-def test_five_concurrent_clients_four_prompts_each(server):
+def test_four_concurrent_clients_three_prompts_each(server):
     from tools.comfy_server import ComfyServer
 
-    seeds = [[100 + 4 * c + j for j in range(4)] for c in range(5)]
+    seeds = [[100 + 3 * c + j for j in range(3)] for c in range(4)]
     results: dict[int, torch.Tensor] = {}
     errors = []
 
@@ -64,7 +64,7 @@ def test_five_concurrent_clients_four_prompts_each(server):
         except Exception as e:  # surfaced below
             errors.append(repr(e))
 
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(5)]
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(4)]
     t0 = time.time()
     for t in threads:
         t.start()
@@ -74,7 +74,7 @@ def test_five_concurrent_clients_four_prompts_each(server):
     assert sorted(results) == sorted(s for row in seeds for s in row), f"{time.time() - t0:.0f}s"
     # the same prompts again, one by one after clearing ComfyUI's cache: identical latents
     server.free(unload_models=False, free_memory=True)
-    for s in (100, 107, 119):
+    for s in (100, 105, 111):
         again = _latent(server, server.run(_prompt(seed=s, fp8=(s % 2 == 0), tag=f"again{s}")))
         assert torch.equal(again, results[s]), s
 

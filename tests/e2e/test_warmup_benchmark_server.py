@@ -5,6 +5,8 @@ import math
 
 import pytest
 
+from core.warmup import TICKS
+
 from .conftest import E2E_UNET
 
 pytestmark = pytest.mark.e2e
@@ -24,7 +26,7 @@ def test_warmup_then_benchmark(server):
     events = []
     hist = server.run_following(prompt, lambda kind, data: events.append((kind, data)))
     progress = [d for k, d in events if k == "progress"]
-    assert any(d["node"] == "3" and d["max"] == 2 for d in progress), "Warmup must report progress"
+    assert any(d["node"] == "3" and d["max"] == 2 * TICKS for d in progress), "Warmup must report progress"
     assert any(d["node"] == "4" for d in progress)
     assert "64x64 px), 16 text tokens, float32: ready in" in hist["outputs"]["3"]["text"][0]  # CPU: bf16 weights, fp32 compute
     out = hist["outputs"]["4"]
