@@ -84,7 +84,8 @@ def test_compile_benchmark_configurations_run_and_match_eager(server):
     api["3000"] = {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}}
     runs = {"eager": "1"}
     for nid in [n for n, node in api.items() if node["class_type"] == "FluxAccelBenchmark"]:
-        runs[api[nid]["_meta"]["title"] if "_meta" in api[nid] else nid] = api.pop(nid)["inputs"]["model"][0]
+        node = api.pop(nid)
+        runs[node["_meta"]["title"]] = node["inputs"]["model"][0]
     assert len(runs) == 8, runs
     for i, (name, model) in enumerate(runs.items()):
         api.update(sample_and_save(model, seed=3, steps=1, tag=f"cb{i}", ksampler=f"{1000 + i}",
