@@ -52,6 +52,7 @@ def render(rows: list[dict]):
     """A matplotlib Figure of the rows (to_image_tensor makes it a ComfyUI IMAGE)."""
     try:
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
     except ImportError as e:
         raise ChartUnavailable("the chart needs matplotlib: python -m pip install matplotlib into ComfyUI's Python "
                                "(FluxAccel's requirements.txt lists it)") from e
@@ -71,7 +72,9 @@ def render(rows: list[dict]):
     steps.set_xlabel("step", fontsize=9)
     steps.set_ylabel("ms", fontsize=9)
     steps.set_ylim(bottom=0)
-    steps.xaxis.get_major_locator().set_params(integer=True)
+    n = max((len(ms) for ms in data["step_ms"]), default=1)
+    steps.set_xlim(0.5, n + 0.5)
+    steps.xaxis.set_major_locator(MaxNLocator(integer=True))
     _bars(speed, data["speedup"], "{:.2f}x", "speedup vs its baseline", "x (median s/image)")
     speed.axvline(1.0, color="#444444", lw=1, ls="--")
     _bars(first, data["first_run_s"], "{:.1f} s", "first run (compile, capture)", "s")

@@ -134,8 +134,10 @@ function showTable(node, cells, markdown) {
   if (widget) {
     widget.element.replaceChildren(...el.childNodes);
   } else {
+    // a fixed height (the table's rows): the rest of the node stays for the chart preview below it
+    const height = () => 70 + 26 * (cells.rows.length + 1);
     widget = node.addDOMWidget("fluxaccel_table", "fluxaccel_table", el, {
-      serialize: false, hideOnZoom: false, getMinHeight: () => 60 + 26 * (cells.rows.length + 1),
+      serialize: false, hideOnZoom: false, getMinHeight: height, getMaxHeight: height, getHeight: height,
     });
   }
   node.setDirtyCanvas(true, true);
