@@ -1,6 +1,7 @@
 """Registry and Manager readiness: the plugin installs into a fresh ComfyUI's custom_nodes/ from a clean clone,
 exactly as the README says, and that ComfyUI starts with it; the metadata the registry and the Manager read is
 complete, and every node and input explains itself."""
+import json
 import re
 import shutil
 import subprocess
@@ -44,6 +45,17 @@ def test_clean_clone_into_a_fresh_comfyui_starts(tmp_path):
         assert p.returncode == 0, f"{cmd}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
     plugin = comfy / "custom_nodes" / "comfyui-fluxaccel"
     assert (plugin / "__init__.py").is_file() and not (plugin / ".venv").exists()
+    # the README's CPU quickstart, its first command (run in the ComfyUI folder): the model its template loads
+    quick = re.search(r"\*\*Without a GPU\*\*.*?```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    first = quick.group(1).splitlines()[0].split("#")[0].strip()
+    assert first.startswith("python comfyui-fluxaccel/tools/random_model.py"), first
+    p = subprocess.run(first.replace("python ", f"{sys.executable} ", 1), shell=True, cwd=comfy, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    written = comfy / "models" / "diffusion_models" / "fluxaccel-random-e2e.safetensors"
+    assert written.stat().st_size > 500e6 and "wrote" in p.stderr, p.stderr[-2000:]
+    quickstart = json.loads((plugin / "example_workflows" / "api" / "fluxaccel_quickstart_cpu.json").read_text())
+    assert quickstart["1"]["inputs"]["unet_name"] == written.name
     with ComfyServer(comfy, tmp_path / "work", MODELS_DIR, CPU_SERVER_ARGS) as srv:
         info = srv.get("/object_info")
         assert OURS <= set(info)
