@@ -48,7 +48,7 @@ def test_clean_clone_into_a_fresh_comfyui_starts(tmp_path):
     # the README's CPU quickstart, its first command (run in the ComfyUI folder): the model its template loads
     quick = re.search(r"\*\*Without a GPU\*\*.*?```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     first = quick.group(1).splitlines()[0].split("#")[0].strip()
-    assert first.startswith("python comfyui-fluxaccel/tools/random_model.py"), first
+    assert first.startswith("python custom_nodes/comfyui-fluxaccel/tools/random_model.py"), first
     p = subprocess.run(first.replace("python ", f"{sys.executable} ", 1), shell=True, cwd=comfy, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
