@@ -417,13 +417,8 @@ class CompiledFlux(torch.nn.Module):
 
         st = self.stats
         t0 = time.perf_counter()
-        if self._watch is not None:
-            self._watch.loading = True
-        try:
+        with self._watch.loading_package() if self._watch is not None else contextlib.nullcontext():
             run = self.warm.load(sig, self.cfg.inductor_options(self.device))
-        finally:
-            if self._watch is not None:
-                self._watch.loading = False
         if run is not None:
             st.warm_start[key] = "loaded"
             st.compile_phases.setdefault(key, {})["warm_start_load"] = round(time.perf_counter() - t0, 2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from typing import Callable
 
 log = logging.getLogger("fluxaccel.compile")
@@ -47,9 +48,18 @@ class CompileWatch:
 
     def __init__(self, report: Report | None, what: str, interval: float = 1.0):
         self.report, self.what, self.interval = report, what, interval
-        self.loading = False  # set by the caller while a warm-start package loads
+        self.loading = False  # while a warm-start package loads (loading_package)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def loading_package(self):
+        """Around loading a warm-start package: the reports say so instead of a compile phase."""
+        self.loading = True
+        try:
+            yield
+        finally:
+            self.loading = False
 
     def text(self, elapsed: float) -> str:
         doing = "loading the warm-start package" if self.loading else phase(self._before, _counts())

@@ -40,8 +40,8 @@ log = logging.getLogger("fluxaccel.cache")
 MAGIC = b"FLUXACCEL-WARM-START 1\n"
 SUFFIX = ".warm"
 
-# packages this process has "loaded" and "saved" (a loaded one runs without dynamo tracing anything, so dynamo's
-# counters do not see it: together they count the compiled graphs a process has made)
+# packages this process has "loaded": a loaded one runs without dynamo tracing anything, so dynamo's counters do not
+# see it (with them, they count the compiled graphs a process has made)
 counts: collections.Counter = collections.Counter()
 
 
@@ -183,7 +183,6 @@ class WarmStart:
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_bytes(MAGIC + json.dumps(meta, sort_keys=True).encode() + b"\n" + payload)
             os.replace(tmp, path)
-            counts["saved"] += 1
             log.info("FluxAccel: saved warm-start package %s (%d bytes)", path, len(payload))
             return True
         except Exception as e:

@@ -74,20 +74,21 @@ class Benchmark(io.ComfyNode):
         rows = benchmark(models, case, positive, negative, on_step=lambda step, total: pbar.update(1),
                          describe=patches.describe)
         table = markdown_table(rows, case)
+        results = rows_to_dicts(rows)
         out_dir = os.path.join(folder_paths.get_output_directory(), "fluxaccel")
         os.makedirs(out_dir, exist_ok=True)
         name = f"benchmark-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}.json"
         with open(os.path.join(out_dir, name), "w") as f:
             json.dump({"case": asdict(case), "text_length": positive[0][0].shape[1], "env": env.describe(),
-                       "results": rows_to_dicts(rows), "table": table}, f, indent=2)
+                       "results": results, "table": table}, f, indent=2)
         try:
-            image = chart.to_image_tensor(chart.render(rows_to_dicts(rows)))
+            image = chart.to_image_tensor(chart.render(results))
         except chart.ChartUnavailable as e:  # said in the table and the log; the figures are all in the table/JSON
             log.warning("FluxAccel Benchmark: no chart: %s", e)
             table += f"\n\n(no chart: {e})"
             image = torch.zeros(1, 64, 64, 3)
         preview = ui.PreviewImage(image, cls=cls).as_dict()
-        cells = {**table_cells(rows_to_dicts(rows)), "caption": table.split("\n", 1)[0]}
+        cells = {**table_cells(results), "caption": table.split("\n", 1)[0]}
         return io.NodeOutput(table, image, ui={**preview, "text": [table], "fluxaccel_table": [cells],
                                                   "fluxaccel_json": [f"fluxaccel/{name}"],
                                                   "fluxaccel_speedup": [round(rows[-1].speedup_vs_eager, 3)]})

@@ -34,11 +34,12 @@ def compiled_notifier(node_id: str | None):
 
 def progress_text(node_id: str | None):
     """A compile_progress.Report that shows the compile's progress as text on node `node_id` in the editor (ComfyUI's
-    progress-text websocket message, to the client that queued the prompt) and in the log every 10 s."""
+    progress-text websocket message, to the client that queued the prompt) and in the log every 10 s (the compile's
+    end is logged by core/compile.py)."""
     last = [-10.0]
 
     def report(text: str, seconds: float) -> None:
-        if seconds - last[0] >= 10 or not seconds or "after" in text:
+        if seconds - last[0] >= 10:
             last[0] = seconds
             log.info("FluxAccel: %s", text)
         if node_id is None:

@@ -8,6 +8,7 @@ from . import ids
 from .events import progress_text
 from .validation import parses
 
+
 class _Bar:
     """Warmup's progress bar: a full step per sampling step; while a step compiles, up to 90 % of it, on a time
     scale of a 45 s compile (an estimate: the text beside it says the phase and the seconds)."""

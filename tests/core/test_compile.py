@@ -26,11 +26,6 @@ def counters():
     torch._dynamo.reset()
 
 
-def _graphs(counters) -> int:
-    """Graphs traced by dynamo or loaded from a warm-start package an earlier test wrote (conftest.py)."""
-    return compiled_graphs()
-
-
 def test_inductor_options_per_call():
     cpu = CompileConfig(cuda_graphs=True).inductor_options(torch.device("cpu"))
     assert cpu == {"triton.cudagraphs": False, "emulate_precision_casts": True}
@@ -43,7 +38,7 @@ def test_compiled_forward_matches_eager_bf16(tiny_flux, counters):
     ref = _denoise_once(tiny_flux)
     model, compiled = apply_compile(tiny_flux, CompileConfig())
     out = _denoise_once(model)
-    assert compiled.stats.calls == 1 and _graphs(counters) >= 1
+    assert compiled.stats.calls == 1 and compiled_graphs() >= 1
     e = rel_err(out, ref)
     assert e < 2e-2, e  # bf16: inductor fuses/reorders roundings; one forward stays within ~1%
     assert torch.equal(_denoise_once(tiny_flux), ref), "the input model must stay uncompiled"
@@ -55,17 +50,17 @@ def test_sampling_float32_compiled_equals_eager_one_compile_per_shape(counters):
     model, compiled = apply_compile(base, CompileConfig(resolution_policy="recompile"))
     out = _sample(model, seed=1)
     assert rel_err(out, ref) < 1e-4, rel_err(out, ref)  # float32: only summation order differs
-    graphs = _graphs(counters)
+    graphs = compiled_graphs()
     assert graphs == 1 and compiled.stats.calls == 2  # the whole model is one graph (no graph breaks)
     # other seeds and other prompt text of the same length: transformer_options differ (uuids, sigmas,
     # wrappers, conds), yet no guard fires -> no new graph
     _sample(model, seed=2, text_seed=5)
-    assert _graphs(counters) == graphs, "other seeds/prompt text must not recompile"
+    assert compiled_graphs() == graphs, "other seeds/prompt text must not recompile"
     _sample(model, seed=3, steps=3, cfg=2.0, text_seed=9, batch=1)  # cfg>1 batches cond+uncond: batch 2
-    new_shape_graphs = _graphs(counters)
+    new_shape_graphs = compiled_graphs()
     assert new_shape_graphs == 2, "one compile per shape"
     _sample(model, seed=4, cfg=2.0, text_seed=11)
-    assert _graphs(counters) == new_shape_graphs, "a repeated shape must not recompile"
+    assert compiled_graphs() == new_shape_graphs, "a repeated shape must not recompile"
     assert compiled.stats.shapes == [ShapeKey(1, 16, 16, 16, "float32"), ShapeKey(2, 16, 16, 16, "float32")]
 
 
@@ -84,9 +79,9 @@ def test_strict_policy_names_both_shapes(tiny_flux, counters):
 def test_recompile_policy_up_to_max_shapes(tiny_flux, counters):
     model, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="recompile", max_shapes=2))
     _denoise_once(model)
-    g1 = _graphs(counters)
+    g1 = compiled_graphs()
     _denoise_once(model, hw=24)
-    assert _graphs(counters) > g1 and len(compiled.stats.shapes) == 2
+    assert compiled_graphs() > g1 and len(compiled.stats.shapes) == 2
     with pytest.raises(FluxAccelError, match=r"already holds 2 shapes \(max_shapes 2\).*Raise max_shapes"):
         _denoise_once(model, hw=32)
 
@@ -103,9 +98,9 @@ def test_shapes_and_variants_beyond_dynamos_recompile_limit_still_compile(tiny_f
                                                        mode="max-autotune-no-cudagraphs"))
         for model in (a, b):
             for hw in (16, 24):
-                g = _graphs(counters)
+                g = compiled_graphs()
                 _denoise_once(model, hw=hw)
-                assert _graphs(counters) > g, f"hw {hw}: no graph made"
+                assert compiled_graphs() > g, f"hw {hw}: no graph made"
         assert dc.recompile_limit == 1
     for c in (ca, cb):
         assert c.stats.eager_calls == 0 and len(c.stats.compile_seconds) == 2
@@ -115,9 +110,9 @@ def test_eager_fallback_runs_uncompiled(tiny_flux, counters):
     ref24 = _denoise_once(tiny_flux, hw=24)
     model, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="eager_fallback"))
     _denoise_once(model)
-    g1 = _graphs(counters)
+    g1 = compiled_graphs()
     out = _denoise_once(model, hw=24)
-    assert compiled.stats.eager_calls == 1 and _graphs(counters) == g1
+    assert compiled.stats.eager_calls == 1 and compiled_graphs() == g1
     assert torch.equal(out, ref24)
 
 
@@ -297,9 +292,9 @@ def test_rope_options_are_honoured_compiled(tiny_flux, counters, regions):
     assert _rel(eager, ref) > 0.01, "the option must matter on this model for the test to mean anything"
     clone, c = apply_compile(m, CompileConfig(cuda_graphs=False, block_regions=regions))
     out = _sample(clone, steps=1)
-    g = _graphs(counters)
+    g = compiled_graphs()
     _sample(clone, steps=1, seed=3)
-    assert _graphs(counters) == g
+    assert compiled_graphs() == g
     assert _rel(out, eager) < 0.02 < _rel(out, ref), (_rel(out, eager), _rel(out, ref))
 
 

@@ -27,8 +27,8 @@ SCRIPT = NEW_PROCESS_PRELUDE + textwrap.dedent(r"""
 
 def _run(tmp_path, cache_dir, n):
     env = {**os.environ, "FLUXACCEL_CACHE_DIR": str(cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor{n}")}
-    script = SCRIPT.format(root=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    p = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT))], capture_output=True, text=True,
+                       timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     line = next(l for l in p.stdout.splitlines() if l.startswith("RESULT"))
     return json.loads(line.split(" ", 1)[1]), p.stderr

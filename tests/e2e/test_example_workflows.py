@@ -93,8 +93,8 @@ def test_compile_benchmark_configurations_run_and_match_eager(server):
     hist = server.run(api)
     out = {name: saved_latent(server, hist, f"{2000 + i}") for i, (name, _) in enumerate(runs.items())}
     for name, latent in out.items():
-        fp8 = "FP8" in name or "fp8" in name
-        assert rel_err(latent, out["eager"]) < (0.1 if fp8 else 2e-2), (name, rel_err(latent, out["eager"]))
+        err = rel_err(latent, out["eager"])
+        assert err < (0.1 if "fp8" in name.lower() else 2e-2), (name, err)
 
 
 def test_txt2img_api_workflow_is_valid_but_for_model_files(server):
