@@ -5,8 +5,9 @@
     Linear. Our nodes work on ComfyUI's non-dynamic delegate of the model (`get_non_dynamic_delegate`, the same
     reload core's TorchCompileModel makes with `clone(disable_dynamic=True)`): the checkpoint loaded a second time
     as a plain, fully resident ModelPatcher, cached on the dynamic patcher. Other branches keep dynamic VRAM.
-  * core's own per-block CUDA graphs (comfy/model_prefetch.py, for dynamic-VRAM models of other families): FLUX's
-    forward does not use them; modules it has captured are found by its own registry and refused for our compile.
+  * core's own per-block CUDA graphs and, from 0.34, the Comfy model compiler (a malloc graph around them), for
+    dynamic-VRAM models of other families: FLUX's forward does not use them; modules core has captured are refused for
+    our compile, and our compiled call runs with a recording paused (upstream/comfy_internals.py).
   * weights that are already tensor subclasses other than torchao's (mixed-precision / scaled-FP8 checkpoints:
     ComfyUI's QuantizedTensor) are found here; fp8_patch decides what to do with them.
 ComfyUI 0.3.75 has none of these: every function here answers "nothing to do" there.
@@ -18,6 +19,7 @@ import logging
 import torch
 
 from .errors import FluxAccelError
+from .upstream import comfy_internals
 
 log = logging.getLogger("fluxaccel.compat")
 
@@ -55,14 +57,9 @@ def resident(model, node: str):
 
 
 def core_block_graphs(dm) -> list[str]:
-    """Modules of this diffusion model that ComfyUI's per-block CUDA graphs (comfy/model_prefetch.py) warmed up or
-    captured; empty on releases without them."""
-    try:
-        import comfy.model_prefetch as prefetch
-    except ImportError:
-        return []
-    held = set(map(id, prefetch.GRAPH_MODULES)) | set(map(id, prefetch.GRAPH_WARMED_MODULES))
-    return [f"diffusion_model.{name}" for name, mod in dm.named_modules() if id(mod) in held]
+    """Modules of this diffusion model that ComfyUI's per-block CUDA graphs warmed up or captured; empty on releases
+    without them."""
+    return comfy_internals.core_graph_modules(dm)
 
 
 def foreign_graph_compilers(model) -> list[str]:
@@ -96,9 +93,8 @@ def linear_like(mod) -> bool:
 
 def checkpoint_format(mod) -> str:
     """How a checkpoint stored this Linear's weight: e.g. 'float8_e4m3fn (TensorCoreFP8E4M3Layout)'."""
-    qdata = getattr(getattr(mod, "weight", None), "_qdata", None)  # 0.3.75 keeps no quant_format on the module
-    fmt = getattr(mod, "quant_format", None) or (str(qdata.dtype).replace("torch.", "") if qdata is not None
-                                                 else "quantized")
+    qdata = comfy_internals.checkpoint_qdata(getattr(mod, "weight", None))  # 0.3.75 keeps no quant_format on it
+    fmt = getattr(mod, "quant_format", None) or (str(qdata.dtype).replace("torch.", "") if qdata else "quantized")
     layout = getattr(mod, "layout_type", None)
     return f"{fmt} ({layout})" if layout else fmt
 

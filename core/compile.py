@@ -12,7 +12,6 @@ Recipe, in order (each step's why):
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import statistics
 import time
@@ -25,6 +24,7 @@ import torch
 from .compile_progress import CompileWatch
 from .errors import FluxAccelError
 from .rope import torch_rope
+from .upstream import Unavailable, comfy_internals, say, torch_internals
 
 log = logging.getLogger("fluxaccel.compile")
 
@@ -64,7 +64,12 @@ class CompileConfig:
         torch.compile takes either mode or options; a mode is expanded to its options so that CUDA graphs can be
         switched on or off on top of it. Graphs are CUDA-only: on other devices the option is left off.
         """
-        opts = dict(torch._inductor.list_mode_options(self.mode, dynamic=False)) if self.mode != "default" else {}
+        opts = {}
+        if self.mode != "default":
+            opts = torch_internals.mode_options(self.mode)
+            if not opts:
+                raise FluxAccelError(f"mode {self.mode!r} cannot be expanded to inductor options here ({opts}); "
+                                     f"set mode to 'default' on the Compile node.")
         opts["triton.cudagraphs"] = bool(self.cuda_graphs and torch.device(device).type == "cuda")
         # Round bf16 intermediates as eager does. Without it inductor keeps e.g. guidance * 1000 in float32 (3500)
         # where eager rounds it to bf16 (3504): FLUX's sinusoidal embeddings turn that into a different output
@@ -104,41 +109,29 @@ def shape_key(x: torch.Tensor, context: torch.Tensor | None) -> ShapeKey:
 RECOMPILE_LIMIT = 1024
 
 
-@functools.cache
-def _budget() -> dict[str, int]:
-    import torch._dynamo.config as dc
-
-    return {k: max(getattr(dc, k), RECOMPILE_LIMIT) for k in ("recompile_limit", "accumulated_recompile_limit")
-            if hasattr(dc, k)}
-
-
 def recompile_budget():
-    import torch._dynamo.config as dc
-
-    return dc.patch(**_budget())
+    return torch_internals.recompile_budget(RECOMPILE_LIMIT)
 
 
-def cudagraph_skips() -> int:
-    """Inductor's running count of graphs it compiled without CUDA graphs (a fallback, not an error)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["inductor"]["cudagraph_skips"])
+def cudagraph_skips() -> int | None:
+    """Inductor's running count of graphs it compiled without CUDA graphs; None where torch does not say (said once)."""
+    n = torch_internals.cudagraph_skips()
+    if isinstance(n, Unavailable):
+        say(n, "cannot tell whether inductor compiled a shape without CUDA graphs")
+        return None
+    return n
 
 
 def graph_recordings(device: torch.device) -> tuple[int, int] | None:
     """(CUDA graphs recorded, re-recordings counted toward triton.cudagraph_unexpected_rerecord_limit) by inductor's
     cudagraph-trees manager of this thread and device so far; None where there is none yet or torch does not expose
-    them (read from its manager: torch has no public counter). A call during which the first number moves recorded a
-    graph; past the limit a function runs without graphs (and cudagraph_skips moves once)."""
-    try:
-        from torch._inductor import cudagraph_trees
-
-        mgr = cudagraph_trees.get_manager(torch.device(device).index or 0, create_if_none_exists=False)
-        if mgr is None:
-            return None
-        return int(mgr.debug_fail_counter), sum(sum(d.values()) for d in mgr.num_rerecord.values())
-    except (AttributeError, ImportError, TypeError):
+    them (said once). A call during which the first number moves recorded a graph; past the limit a function runs
+    without graphs (and cudagraph_skips moves once)."""
+    rec = torch_internals.graph_recordings(device)
+    if isinstance(rec, Unavailable):
+        say(rec, "cannot tell whether CUDA graphs are recorded or re-recorded")
         return None
+    return rec
 
 
 # dynamo's timed phases of one compile (seconds summed over its sub-calls): where a first run's compile time goes
@@ -148,9 +141,11 @@ PHASES: tuple[str, ...] = ("bytecode_tracing", "create_aot_dispatcher_function",
 
 
 def _phase_totals() -> dict[str, float]:
-    from torch._dynamo.utils import compilation_time_metrics
-
-    return {k: sum(compilation_time_metrics.get(k, ())) for k in PHASES}
+    timers = torch_internals.compile_timers()
+    if isinstance(timers, Unavailable):
+        say(timers, "a compile's time is not split by phase")
+        return {}
+    return {k: sum(timers.get(k, ())) for k in PHASES}
 
 
 def _unsupported_options(transformer_options: dict) -> list[str]:
@@ -202,6 +197,9 @@ class CompileStats:
     # compiled and written for the next process), or why there is no package (it then re-traces after a restart)
     warm_start: dict[ShapeKey, str] = field(default_factory=dict)
     warm_start_off: str = ""  # why warm-start packages are not used at all here ("" when they are)
+    # calls run with the Comfy model compiler's recording paused (ComfyUI 0.34+), and calls where it could not be told
+    model_compiler_paused: int = 0
+    model_compiler_unknown: int = 0
     attention_note: str = ""  # set when the compiled model runs SDPA in place of ComfyUI's attention (attention.py)
     # last warm calls: host seconds spent inside the call (graph replay is asynchronous, so on a GPU this is the
     # launch overhead: guards, input checks, replay) and (start, end) CUDA events around it (device time)
@@ -381,7 +379,9 @@ class CompiledFlux(torch.nn.Module):
             self.stats.marks += 1
         opts = call_options(transformer_options, self.regions)
         # plain-torch RoPE, fused by inductor (ComfyUI 0.33's is an opaque kitchen op: rope.py)
-        with recording, recompile_budget(), torch_rope():
+        # outside the Comfy model compiler's memory plan (ComfyUI 0.34+), should one be recording on this thread
+        with recording, recompile_budget(), torch_rope(), comfy_internals.outside_model_compiler() as paused:
+            self._count_model_compiler(paused)
             run = self._runner(key, x, timestep, context, opts, kwargs)
             if run is None:  # no warm-start package for this call: dynamo traces it (again in each new process)
                 out = self._compiled(x, timestep, context=context, transformer_options=opts, **kwargs)
@@ -391,6 +391,14 @@ class CompiledFlux(torch.nn.Module):
             out = out.clone()  # the sampler keeps outputs across steps; graph-owned memory is reused on replay
         self.stats.calls += 1
         return out
+
+    def _count_model_compiler(self, paused) -> None:
+        if paused is True:
+            self.stats.model_compiler_paused += 1
+        elif paused is not False:
+            self.stats.model_compiler_unknown += 1
+            say(paused, "cannot keep the compiled model outside the Comfy model compiler's memory plan; start "
+                        "ComfyUI with --disable-comfy-compiler if a run fails")
 
     # -- warm start: the compiled call of this signature from its package, or traced and saved to one -----------
     def _runner(self, key: ShapeKey, x, timestep, context, opts, kwargs):
@@ -452,13 +460,14 @@ class CompiledFlux(torch.nn.Module):
                 self._watch = None
         st.compile_seconds[key] = time.perf_counter() - t0
         st.compile_phases[key] = {**st.compile_phases.get(key, {}), **{
-            k: round(v - phases_before[k], 2) for k, v in _phase_totals().items() if v - phases_before[k] > 0}}
+            k: round(v - phases_before.get(k, 0), 2) for k, v in _phase_totals().items() if v - phases_before.get(k, 0) > 0}}
         if st.warm_start.get(key) == "loaded":
             log.info("FluxAccel: loaded %s from its warm-start package in %.1f s (nothing compiled)", key.describe(),
                      st.compile_seconds[key])
         else:
             log.info("FluxAccel: compiled %s in %.1f s", key.describe(), st.compile_seconds[key])
-        skipped = cudagraph_skips() - skips_before
+        skips_after = cudagraph_skips()
+        skipped = skips_after - skips_before if skips_after is not None and skips_before is not None else 0
         if skipped and self.graphs_active:
             # inductor fell back to running (part of) the graph without CUDA graphs: correct, but slower
             st.graph_skips[key] = skipped
@@ -509,7 +518,7 @@ class CompiledFlux(torch.nn.Module):
         if rec_before is not None and rec_after is not None and rec_after[0] > rec_before[0]:
             st.recording_calls[key] = st.recording_calls.get(key, 0) + 1
             n = st.recording_calls[key] - 1
-            limit = torch._inductor.config.triton.cudagraph_unexpected_rerecord_limit
+            limit = torch_internals.cudagraph_rerecord_limit()
             if n and (n == 1 or n % 16 == 0):
                 log.warning("FluxAccel: CUDA graphs of %s re-recorded (%d time(s); inductor counts %d re-recording(s) "
                             "toward triton.cudagraph_unexpected_rerecord_limit = %d, past which it runs without "
@@ -523,7 +532,8 @@ class CompiledFlux(torch.nn.Module):
             log.warning("FluxAccel: %s: %s", key.describe(), st.graphs_lost[key])
             if self.on_compiled is not None:
                 self.on_compiled(self)
-        if cudagraph_skips() > skips_before and key not in st.graphs_lost:
+        skips_after = cudagraph_skips() if skips_before is not None else None
+        if skips_after is not None and skips_after > skips_before and key not in st.graphs_lost:
             st.graphs_lost[key] = (
                 "inductor stopped using CUDA graphs for this shape after "
                 f"{st.recording_calls.get(key, 1) - 1} re-recording(s) (its triton.cudagraph_unexpected_rerecord_limit"

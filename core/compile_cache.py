@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .upstream import say, torch_internals
+
 log = logging.getLogger("fluxaccel.cache")
 
 MAGIC = b"FLUXACCEL-COMPILE-CACHE 1\n"
@@ -87,10 +89,7 @@ class CompileCache:
             header, _, payload = blob[len(MAGIC):].partition(b"\n")
             if json.loads(header).get("key") != self.key:
                 raise ValueError("written for another model/version/config")
-            artifacts = _manager().deserialize(payload)
-            if artifacts is None:
-                raise ValueError("its artifacts cannot be read")
-            info = _manager().populate_caches(artifacts)
+            artifacts, info = torch_internals.load_artifacts(payload)
             self._merge(artifacts)
             log.info("FluxAccel: loaded compile cache %s (%s)", self.path, info)
             return True
@@ -102,12 +101,8 @@ class CompileCache:
     @contextmanager
     def recording(self):
         """Around a compile: what it records goes to this file (and not into the process-wide list)."""
-        m = _manager()
-        with m.with_fresh_cache():
-            try:
-                yield
-            finally:
-                self._merge(dict(m._new_cache_artifacts))
+        with torch_internals.recording_artifacts(self._merge):
+            yield
 
     def _merge(self, artifacts: dict) -> None:
         for kind, items in artifacts.items():
@@ -118,16 +113,15 @@ class CompileCache:
     def save(self) -> bool:
         """Write this model's artifacts (write to a temporary name, then rename: workers may share the folder)."""
         try:
-            if not any(self.artifacts.values()):
+            per_compile = torch_internals.per_compile_artifacts()
+            if per_compile is not True:
+                say(per_compile, "a compile-cache file holds every artifact this process compiled (torch's public "
+                                 "save_cache_artifacts), not only this model's")
+            elif not any(self.artifacts.values()):
                 return False
-            m = _manager()
-            with m.with_fresh_cache():
-                for kind, items in self.artifacts.items():
-                    m._new_cache_artifacts[kind].extend(items)
-                res = m.serialize()
-            if not res:
+            payload = torch_internals.save_artifacts(self.artifacts)
+            if not payload:
                 return False
-            payload, info = res
             self.dir.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_bytes(MAGIC + json.dumps({"key": self.key}).encode() + b"\n" + payload)
@@ -137,12 +131,6 @@ class CompileCache:
         except Exception as e:
             log.warning("FluxAccel: could not save the compile cache to %s (%s: %s)", self.path, type(e).__name__, e)
             return False
-
-
-def _manager():
-    from torch.compiler._cache import CacheArtifactManager  # what torch.compiler.save/load_cache_artifacts use
-
-    return CacheArtifactManager
 
 
 def clear(directory: Path | None = None) -> int:

@@ -15,12 +15,13 @@ from .comfy_compat import foreign_graph_compilers, require_compatible, resident
 from .compile import CompileConfig, CompiledFlux
 from .env import require_torch
 from .errors import FluxAccelError
+from .upstream import comfy_internals, torch_internals
 from .flux import on_load_callback_type, partial_load_guard, require_flux, require_fully_loaded
 
 log = logging.getLogger("fluxaccel.compile")
 
 COMPILE_KEY = "fluxaccel.compile"
-COMFY_COMPILE_KEY = "torch.compile"  # comfy_api.torch_helpers.torch_compile.COMPILE_KEY
+COMFY_COMPILE_KEY = comfy_internals.COMFY_COMPILE_KEY
 NODE = "Compile + CUDA Graph (FluxAccel)"
 
 
@@ -30,29 +31,22 @@ def _apply_model_type() -> str:
     return WrappersMP.APPLY_MODEL
 
 
-def _comfy_compiled_keys(fn) -> list[str] | None:
-    """Keys compiled by a ComfyUI set_torch_compile_wrapper wrapper (read from its closure)."""
-    for cell in getattr(fn, "__closure__", None) or ():
-        value = cell.cell_contents
-        if isinstance(value, dict) and value and all(callable(v) for v in value.values()):
-            return list(value)
-    return None
-
-
 def regional_compiles(model) -> list[str]:
     """Per-block/regional compiles already on the model: wrappers or object patches compiling parts of it."""
     found = []
     for key, fns in model.wrappers.get(_apply_model_type(), {}).items():
         if key == COMFY_COMPILE_KEY:
             for fn in fns:
-                keys = _comfy_compiled_keys(fn) or ["?"]
+                keys = comfy_internals.compile_wrapper_keys(fn)
+                if not keys:  # cannot tell what it compiles: treated as regional, and the message says so
+                    keys = [f"? ({keys})"]
                 if keys != ["diffusion_model"]:
                     found.append(f"ComfyUI torch.compile wrapper on {', '.join(keys)}")
     for key, obj in model.object_patches.items():
-        if isinstance(obj, torch._dynamo.eval_frame.OptimizedModule) or getattr(obj, "_compiled_call_impl", None):
+        if torch_internals.is_compiled_module(obj):
             found.append(f"compiled object patch {key}")
     for name, mod in model.model.diffusion_model.named_modules():
-        if name and (isinstance(mod, torch._dynamo.eval_frame.OptimizedModule) or getattr(mod, "_compiled_call_impl", None)):
+        if name and torch_internals.is_compiled_module(mod):
             found.append(f"compiled submodule diffusion_model.{name}")
     return found
 

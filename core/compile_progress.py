@@ -28,14 +28,21 @@ FIRST_RUN = "first run of the compiled graph"
 Report = Callable[[str, float], None]  # (text, seconds since the compile began)
 
 
-def _counts() -> dict[str, int]:
-    from torch._dynamo.utils import compilation_time_metrics
-
-    return {k: len(compilation_time_metrics.get(k, ())) for k, _ in PHASES}
+UNKNOWN_PHASE = "phase unknown (torch's compile timers are not where FluxAccel reads them)"
 
 
-def phase(before: dict[str, int], now: dict[str, int]) -> str:
+def _counts() -> dict[str, int] | None:
+    """How many times each phase's timer has ended so far; None where torch does not expose its timers."""
+    from .upstream import torch_internals
+
+    timers = torch_internals.compile_timers()
+    return {k: len(timers.get(k, ())) for k, _ in PHASES} if timers else None
+
+
+def phase(before: dict[str, int] | None, now: dict[str, int] | None) -> str:
     """The phase running now, given the timer counts when the compile began and now."""
+    if before is None or now is None:
+        return UNKNOWN_PHASE
     for timer, what in PHASES:
         if now.get(timer, 0) <= before.get(timer, 0):
             return what

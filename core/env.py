@@ -69,14 +69,13 @@ def require_torchao():
 def torchao_fp8_here() -> bool:
     """Whether torchao's own hardware gate (asked by its quantize_) accepts dynamic FP8 in this process. False on a
     CPU-only machine; tests and tools lift the gate for CPU runs (tools/cpu_fp8.py), the plugin never does."""
-    try:
-        import torchao.quantization.quant_api as qa
-        from torchao.quantization.granularity import PerTensor
+    from .upstream import say, torchao_internals
 
-        qa._check_hardware_support((PerTensor(), PerTensor()))  # the gate quantize_ itself asks
-        return True
-    except (AssertionError, ImportError, AttributeError):
-        return False
+    gate = torchao_internals.fp8_gate_open()
+    if gate is True or gate is False:
+        return gate
+    say(gate, "cannot ask torchao whether this device runs dynamic FP8: FP8 is refused off the GPU")
+    return False
 
 
 def require_fp8_device(device: torch.device) -> None:
@@ -108,12 +107,9 @@ def describe() -> dict:
             info[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             info[pkg] = None
-    try:
-        import comfyui_version
+    from .upstream.comfy_internals import comfyui_version
 
-        info["comfyui"] = comfyui_version.__version__
-    except ImportError:
-        info["comfyui"] = None
+    info["comfyui"] = comfyui_version()
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         try:

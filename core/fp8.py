@@ -10,6 +10,7 @@ compiled model takes no tensor-subclass inputs (no per-call flatten/unflatten or
 from __future__ import annotations
 
 import copy
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Literal
@@ -18,6 +19,7 @@ import torch
 
 from .env import require_torchao
 from .errors import FluxAccelError
+from .upstream.torchao_internals import float8_primitives, map_float8_data
 
 Granularity = Literal["per_tensor", "per_row"]
 Scope = Literal["blocks", "blocks+modulation", "all_linear"]
@@ -72,12 +74,13 @@ class Fp8Config:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor
 
         gran = PerRow() if self.granularity == "per_row" else PerTensor()
-        try:  # torchao 0.18 (tested); an older one without the option has only the TORCH path
-            from torchao.quantization.quantize_.common import KernelPreference
+        from .upstream import say, torchao_internals
 
-            pin = {"kernel_preference": KernelPreference.TORCH}
-        except ImportError:
-            pin = {}
+        torch_path = torchao_internals.torch_kernel_preference()
+        pin = {"kernel_preference": torch_path} if torch_path else {}
+        if not torch_path:  # an older torchao has only the TORCH path; a newer one may pick another kernel library
+            say(torch_path, "torchao picks its FP8 GEMM kernel itself: the 'subclass' and 'plain' layouts may differ "
+                            "in rounding", level=logging.INFO)
         return Float8DynamicActivationFloat8WeightConfig(granularity=gran, set_inductor_config=False, **pin)
 
 
@@ -136,6 +139,21 @@ def linear_weight_bytes(m: torch.nn.Linear) -> int:
     return w.numel() * w.element_size() + extra
 
 
+_AO = None  # torchao's float8 primitives (upstream/torchao_internals.py), found when a plain-layout Linear is made
+
+
+def _float8_primitives():
+    """torchao's float8 primitives, found once (outside any trace: fp8_linear reads the module global)."""
+    global _AO
+    if _AO is None:
+        found = float8_primitives()
+        if not found:
+            raise FluxAccelError(f"Quantize FP8's 'plain' layout calls torchao's float8 functions, but {found}. Set "
+                                 f"layout to 'subclass' on Quantize FP8, or install torchao 0.17 or 0.18.")
+        _AO = found
+    return _AO
+
+
 def fp8_linear(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                act_kwargs, mm_config) -> torch.Tensor:
     """torchao's Float8Tensor linear on plain tensors: the functions its torch-kernel path calls, in its order.
@@ -145,17 +163,14 @@ def fp8_linear(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, bia
     activations); mm_config: the weight's Float8MMConfig. Bit-identical to F.linear(x, Float8Tensor weight) in
     eager mode (tests/core/test_fp8.py); torchao's optional MSLK kernels (not installed here) are not used.
     """
-    from torchao.float8.inference import addmm_float8_unwrapped_inference, preprocess_data, preprocess_scale
-    from torchao.quantization.quant_primitives import _choose_scale_float8, _quantize_affine_float8
-    from torchao.quantization.utils import get_block_size
-
-    block = list(get_block_size(x.shape, act_kwargs.granularity))
-    x_scale = _choose_scale_float8(x, float8_dtype=act_kwargs.float8_dtype, block_size=block,
-                                   hp_value_lb=act_kwargs.hp_value_lb, hp_value_ub=act_kwargs.hp_value_ub)
-    x_data = _quantize_affine_float8(x, x_scale, act_kwargs.float8_dtype)
-    a, b = preprocess_data(x_data.reshape(-1, x_data.shape[-1]), w_data.t(), mm_config)
-    out = addmm_float8_unwrapped_inference(a, preprocess_scale(x_scale, x.shape), b, w_scale.t(),
-                                           output_dtype=x.dtype, bias=bias, use_fast_accum=mm_config.use_fast_accum)
+    ao = _AO or _float8_primitives()
+    block = list(ao.get_block_size(x.shape, act_kwargs.granularity))
+    x_scale = ao.choose_scale(x, float8_dtype=act_kwargs.float8_dtype, block_size=block,
+                              hp_value_lb=act_kwargs.hp_value_lb, hp_value_ub=act_kwargs.hp_value_ub)
+    x_data = ao.quantize(x, x_scale, act_kwargs.float8_dtype)
+    a, b = ao.preprocess_data(x_data.reshape(-1, x_data.shape[-1]), w_data.t(), mm_config)
+    out = ao.addmm(a, ao.preprocess_scale(x_scale, x.shape), b, w_scale.t(),
+                   output_dtype=x.dtype, bias=bias, use_fast_accum=mm_config.use_fast_accum)
     return out.reshape(*x.shape[:-1], w_data.shape[0])
 
 
@@ -185,7 +200,7 @@ class _Fp8DeviceMove:
         finally:
             target = fn(torch.empty(0, device=w.device)).device
             if target != w.device:
-                moved = w._apply_fn_to_data(lambda t: t.to(target)) if is_fp8_weight(w) else w.to(target)
+                moved = map_float8_data(w, lambda t: t.to(target)) if is_fp8_weight(w) else w.to(target)
                 w = torch.nn.Parameter(moved, requires_grad=False)
             self._parameters["weight"] = w
             if scale is not None:
@@ -229,6 +244,7 @@ def _fp8_class(cls: type, layout: str) -> type:
 
 def _to_plain(q: torch.nn.Linear) -> None:
     """Replace a Float8Tensor weight by its data and scale as plain tensors (the same storage, no copy)."""
+    _float8_primitives()  # refuses the layout here, before any model call, where torchao moved them
     w = q.weight
     q.fp8_act_kwargs, q.fp8_mm_config = w.act_quant_kwargs, w.mm_config
     q.weight = torch.nn.Parameter(w.qdata, requires_grad=False)

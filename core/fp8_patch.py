@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import torch
 from comfy.patcher_extension import WrappersMP
 
+from .upstream import comfy_internals
 from .comfy_compat import (checkpoint_format, is_checkpoint_quantized, linear_like, require_compatible,
                            resident)
 from .env import require_fp8_device, require_torch, require_torchao
@@ -133,7 +134,9 @@ def _stored_bytes(lin) -> int:
     w = lin.weight
     if not is_checkpoint_quantized(w):
         return linear_weight_bytes(lin)
-    q = w._qdata  # the stored data (comfy-kitchen's and 0.3.75's QuantizedTensor both keep it there)
+    q = comfy_internals.checkpoint_qdata(w)
+    if not q:  # cannot read the stored data: its bf16 size is an upper bound (only the memory report uses it)
+        return linear_weight_bytes(lin)
     return q.numel() * q.element_size()
 
 

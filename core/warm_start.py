@@ -21,7 +21,6 @@ shape compiles again (and its package is rewritten).
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import io
 import json
@@ -35,6 +34,8 @@ from typing import Any, Callable
 
 import torch
 
+from .upstream import torch_internals
+
 log = logging.getLogger("fluxaccel.cache")
 
 MAGIC = b"FLUXACCEL-WARM-START 1\n"
@@ -47,9 +48,8 @@ counts: collections.Counter = collections.Counter()
 
 def available() -> tuple[bool, str]:
     """(usable, why not): torch's AOT compile of a dynamo trace (torch 2.9 or newer)."""
-    if not hasattr(torch.compiler, "load_compiled_function"):
-        return False, f"torch {torch.__version__} has no torch.compiler.load_compiled_function (torch 2.9 or newer)"
-    return True, ""
+    ok = torch_internals.aot_compile_available()
+    return (True, "") if ok is True else (False, str(ok))
 
 
 class NotPackageable(ValueError):
@@ -90,10 +90,8 @@ def _no_guards(entries) -> list[bool]:
 
 def aot_compile(dm: torch.nn.Module, options: dict, args: tuple, kwargs: dict) -> Callable:
     """Trace and compile one call of dm (its class's forward, dm passed as self) ahead of running it."""
-    import torch._dynamo.config as dc
-
     # torch 2.9-2.11: off by default, and read when torch.compile wraps the function (for this call only)
-    with dc.patch(enable_aot_compile=True) if hasattr(dc, "enable_aot_compile") else contextlib.nullcontext():
+    with torch_internals.enable_aot_compile():
         fn = torch.compile(type(dm).forward, backend="inductor", fullgraph=True, dynamic=False,
                            options={**options, "guard_filter_fn": _no_guards})
         compiled = fn.aot_compile(((dm, *args), kwargs))
@@ -160,7 +158,7 @@ class WarmStart:
             stale = _stale_sources(meta.get("sources") or {})
             if stale:
                 raise ValueError(f"stale: the source of {', '.join(stale)} changed since it was written")
-            with torch._inductor.config.patch(options or {}):
+            with torch_internals.inductor_config_patch(options):
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload))
             _skip_guard_check(fn)
             counts["loaded"] += 1
@@ -175,9 +173,7 @@ class WarmStart:
         """Write the package (temporary name, then rename: workers may share the folder)."""
         path = self.path(sig)
         try:
-            from torch._dynamo.aot_compile import AOTCompiledFunction
-
-            payload = AOTCompiledFunction.serialize(fn).serialized_data
+            payload = torch_internals.serialize_aot(fn)
             meta = {"key": self.key, "signature": sig, "torch": torch.__version__, "sources": _source_digests(fn)}
             self.dir.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")

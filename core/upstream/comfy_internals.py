@@ -1,0 +1,165 @@
+"""ComfyUI internals FluxAccel reaches (see the package docstring): each looked up when called, never assumed.
+
+The Comfy model compiler (ComfyUI 0.34 and newer, comfy/model_prefetch.py): comfy-aimdo's malloc graph -- a memory
+plan recorded on a model's first step and replayed after it -- with core's own per-block CUDA graphs inside it. It is
+entered by the models that call it (MiniMax, some text encoders in 0.38) on dynamic-VRAM weights; FLUX's forward does
+not call it in the sources available, and FluxAccel's compiled clone runs on resident (non-dynamic) weights, so core
+queues no prefetch for it. Should a recording be active on the thread anyway (a future ComfyUI or another node that
+wraps the sampler), FluxAccel's compiled call runs with it paused (`outside_model_compiler`), so inductor's buffers
+and CUDA graphs never enter core's memory plan; other models and branches keep the compiler.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from . import Unavailable, say
+
+UPSTREAM = "ComfyUI"
+
+
+def comfyui_version() -> str:
+    try:
+        import comfyui_version as cv
+
+        return str(cv.__version__)
+    except (ImportError, AttributeError):
+        return "(version unknown)"
+
+
+def _missing(name: str, detail: str = "") -> Unavailable:
+    return Unavailable(UPSTREAM, comfyui_version(), name, detail)
+
+
+def _prefetch():
+    """comfy.model_prefetch, or None on a ComfyUI without it (0.3.x: no per-block graphs, no model compiler)."""
+    try:
+        import comfy.model_prefetch as prefetch
+    except ImportError:
+        return None
+    return prefetch
+
+
+# -- core's per-block CUDA graphs ---------------------------------------------------------------------------------
+def core_graph_modules(dm: torch.nn.Module) -> list[str]:
+    """Names of dm's modules that core's per-block CUDA graphs captured (a module's `_comfy_graph`, in 0.33 and 0.38)
+    or warmed for capture (GRAPH_WARMED_MODULES; 0.33 also kept GRAPH_MODULES). Empty where ComfyUI has none."""
+    prefetch = _prefetch()
+    if prefetch is None:
+        return []
+    held: set[int] = set()
+    registries = [n for n in ("GRAPH_MODULES", "GRAPH_WARMED_MODULES") if hasattr(prefetch, n)]
+    for n in registries:
+        try:
+            held |= set(map(id, getattr(prefetch, n)))
+        except TypeError:
+            pass
+    if not registries:
+        say(_missing("comfy.model_prefetch.GRAPH_WARMED_MODULES"),
+            "modules that core warmed for per-block CUDA graphs cannot be seen; only captured ones are checked")
+    return [f"diffusion_model.{name}" for name, mod in dm.named_modules()
+            if id(mod) in held or getattr(mod, "_comfy_graph", None) is not None]
+
+
+# -- the Comfy model compiler (malloc graph) ----------------------------------------------------------------------
+def model_compiler_present() -> bool:
+    """Whether this ComfyUI has the Comfy model compiler at all (0.34+: comfy.model_prefetch.malloc_graph_*)."""
+    prefetch = _prefetch()
+    return prefetch is not None and any(hasattr(prefetch, n) for n in
+                                        ("malloc_graph_begin", "malloc_graph_enabled", "MALLOC_GRAPHS"))
+
+
+def model_compiler_recording() -> bool | Unavailable:
+    """Whether the Comfy model compiler is recording a memory plan on this thread now."""
+    prefetch = _prefetch()
+    if prefetch is None or not model_compiler_present():
+        return False
+    graphs = getattr(prefetch, "MALLOC_GRAPHS", None)
+    if not isinstance(graphs, dict):
+        return _missing("comfy.model_prefetch.MALLOC_GRAPHS", "a per-thread dict of malloc graphs in 0.38")
+    graph = graphs.get(threading.get_ident())
+    return bool(graph is not None and getattr(graph, "_comfy_active", False))
+
+
+@contextlib.contextmanager
+def outside_model_compiler():
+    """Run the body with the Comfy model compiler's recording paused on this thread (if one is active).
+
+    Yields what was done: True (a recording was active and is paused for the body), False (none active, or a ComfyUI
+    without the compiler) or an Unavailable (this ComfyUI has the compiler but FluxAccel cannot tell whether it
+    records, or cannot pause it: the body runs as it is and the caller says so)."""
+    recording = model_compiler_recording()
+    if recording is False:
+        yield False
+        return
+    prefetch = _prefetch()
+    pause = getattr(prefetch, "pause_malloc_graph", None)
+    if not callable(pause):
+        yield _missing("comfy.model_prefetch.pause_malloc_graph", "added in 0.38")
+        return
+    if not recording:  # cannot tell whether it records: pausing is harmless when it does not (it checks itself)
+        with pause(sync=False):
+            yield recording
+        return
+    with pause(sync=False):
+        yield True
+
+
+# -- FLUX's RoPE and checkpoint-quantized weights -------------------------------------------------------------------
+def flux_math():
+    import comfy.ldm.flux.math as fm
+
+    return fm
+
+
+def flux_plain_rope1():
+    """FLUX's plain-torch RoPE formula (`comfy.ldm.flux.math._apply_rope1`, 0.33+), None on a ComfyUI whose RoPE is
+    plain torch already (0.3.x: no comfy-kitchen RoPE), an Unavailable where RoPE goes through comfy-kitchen but the
+    plain formula is not where FluxAccel looks."""
+    fm = flux_math()
+    fn = getattr(fm, "_apply_rope1", None)
+    if callable(fn):
+        return fn
+    kitchen = getattr(getattr(fm, "comfy", None), "quant_ops", None)
+    if kitchen is not None and hasattr(getattr(kitchen, "ck", None), "apply_rope"):
+        return _missing("comfy.ldm.flux.math._apply_rope1", "FLUX's RoPE goes through comfy-kitchen's custom op")
+    return None
+
+
+@contextlib.contextmanager
+def flux_apply_rope_as(fn):
+    """`comfy.ldm.flux.math.apply_rope` is `fn` for the body, restored in `finally`."""
+    fm = flux_math()
+    orig = fm.apply_rope
+    fm.apply_rope = fn
+    try:
+        yield
+    finally:
+        fm.apply_rope = orig
+
+
+def checkpoint_qdata(w) -> torch.Tensor | Unavailable:
+    """The stored data of a ComfyUI QuantizedTensor weight (comfy-kitchen's and 0.3.75's both keep it in `_qdata`)."""
+    q = getattr(w, "_qdata", None)
+    if isinstance(q, torch.Tensor):
+        return q
+    return _missing("QuantizedTensor._qdata", f"a {type(w).__name__} weight")
+
+
+# -- ComfyUI's own torch.compile wrapper ----------------------------------------------------------------------------
+COMFY_COMPILE_KEY = "torch.compile"  # comfy_api.torch_helpers.torch_compile.COMPILE_KEY
+
+
+def compile_wrapper_keys(fn) -> list[str] | Unavailable:
+    """The module keys a wrapper of ComfyUI's set_torch_compile_wrapper compiles (its closure holds a dict of
+    key -> compiled module; no public accessor)."""
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, dict) and value and all(callable(v) for v in value.values()):
+            return list(value)
+    return _missing("the compiled-module dict in set_torch_compile_wrapper's closure")

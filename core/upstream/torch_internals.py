@@ -1,0 +1,215 @@
+"""torch's dynamo and inductor internals FluxAccel reaches (see the package docstring).
+
+torch has no public counter for what a compile did (graphs made, CUDA graphs skipped or recorded, phase timers), no
+per-call recompile budget and no per-call inductor config: these are read or patched here, for the duration of
+FluxAccel's own call only. Where torch offers a public API it is used instead (torch.compiler.save_cache_artifacts /
+load_cache_artifacts when the per-compile artifact recording is gone).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from . import Unavailable, say
+
+UPSTREAM = "torch"
+
+
+def _missing(name: str, detail: str = "") -> Unavailable:
+    return Unavailable(UPSTREAM, str(torch.__version__), name, detail)
+
+
+def _attr(path: str):
+    """The object at a dotted path below torch (imported as needed), or an Unavailable naming it."""
+    import importlib
+
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for p in parts[i:]:
+                obj = getattr(obj, p)
+        except AttributeError:
+            return _missing(path)
+        return obj
+    return _missing(path)
+
+
+# -- compile options and budgets ------------------------------------------------------------------------------------
+def mode_options(mode: str) -> dict | Unavailable:
+    """The inductor options a torch.compile mode stands for (so CUDA graphs can be set on top of it)."""
+    fn = _attr("torch._inductor.list_mode_options")
+    if not callable(fn):
+        return fn
+    return dict(fn(mode, dynamic=False))
+
+
+def dynamo_config_patch(**values):
+    """dynamo's config patched for the body only; names this torch does not have are left out (and said)."""
+    cfg = _attr("torch._dynamo.config")
+    if isinstance(cfg, Unavailable):
+        say(cfg, "dynamo's settings for FluxAccel's call are left as they are")
+        return contextlib.nullcontext()
+    have = {k: v for k, v in values.items() if hasattr(cfg, k)}
+    return cfg.patch(**have) if have else contextlib.nullcontext()
+
+
+def dynamo_config_value(name: str, default=None):
+    cfg = _attr("torch._dynamo.config")
+    return default if isinstance(cfg, Unavailable) else getattr(cfg, name, default)
+
+
+def recompile_budget(limit: int):
+    """Context: dynamo's recompile limits raised to at least `limit` for the body (they count per code object, and
+    every FluxAccel model compiles the same Flux.forward)."""
+    names = ("recompile_limit", "accumulated_recompile_limit")
+    have = {k: max(int(dynamo_config_value(k, 0) or 0), limit) for k in names
+            if dynamo_config_value(k) is not None}
+    if not have:
+        say(_missing("torch._dynamo.config.recompile_limit"),
+            "dynamo's default recompile budget applies: past it a new shape runs uncompiled")
+    return dynamo_config_patch(**have)
+
+
+def inductor_config_patch(options: dict | None):
+    cfg = _attr("torch._inductor.config")
+    if isinstance(cfg, Unavailable):
+        say(cfg, "inductor options cannot be set while loading a warm-start package")
+        return contextlib.nullcontext()
+    return cfg.patch(options or {})
+
+
+def cudagraph_rerecord_limit() -> int | Unavailable:
+    v = _attr("torch._inductor.config.triton.cudagraph_unexpected_rerecord_limit")
+    return v if isinstance(v, Unavailable) else int(v)
+
+
+# -- what a compile did ---------------------------------------------------------------------------------------------
+def _counters():
+    return _attr("torch._dynamo.utils.counters")
+
+
+def cudagraph_skips() -> int | Unavailable:
+    """Inductor's running count of graphs it compiled without CUDA graphs (a fallback, not an error)."""
+    c = _counters()
+    if isinstance(c, Unavailable):
+        return c
+    return int(c["inductor"]["cudagraph_skips"])
+
+
+def compile_timers() -> dict | Unavailable:
+    """dynamo's compile timers: name -> list of seconds (each phase's timer is recorded when the phase ends)."""
+    return _attr("torch._dynamo.utils.compilation_time_metrics")
+
+
+def graph_recordings(device: torch.device) -> tuple[int, int] | None | Unavailable:
+    """(CUDA graphs recorded, re-recordings counted toward the re-record limit) by inductor's cudagraph-trees manager
+    of this thread and device so far; None where there is no manager yet."""
+    get_manager = _attr("torch._inductor.cudagraph_trees.get_manager")
+    if isinstance(get_manager, Unavailable):
+        return get_manager
+    try:
+        mgr = get_manager(torch.device(device).index or 0, create_if_none_exists=False)
+    except TypeError:
+        return _missing("torch._inductor.cudagraph_trees.get_manager(create_if_none_exists=...)")
+    if mgr is None:
+        return None
+    try:
+        return int(mgr.debug_fail_counter), sum(sum(d.values()) for d in mgr.num_rerecord.values())
+    except (AttributeError, TypeError):
+        return _missing("CUDAGraphTreeManager.debug_fail_counter / num_rerecord")
+
+
+def is_compiled_module(obj) -> bool:
+    """A module that torch.compile wrapped (OptimizedModule) or compiled in place (Module.compile())."""
+    cls = _attr("torch._dynamo.eval_frame.OptimizedModule")
+    if isinstance(cls, type) and isinstance(obj, cls):
+        return True
+    return bool(getattr(obj, "_compiled_call_impl", None))
+
+
+# -- inductor's cache artifacts ---------------------------------------------------------------------------------------
+def _artifact_manager():
+    return _attr("torch.compiler._cache.CacheArtifactManager")
+
+
+def per_compile_artifacts() -> bool | Unavailable:
+    """Whether the artifacts of one compile can be recorded apart from the rest of the process."""
+    m = _artifact_manager()
+    if isinstance(m, Unavailable):
+        return m
+    for name in ("with_fresh_cache", "_new_cache_artifacts", "serialize", "deserialize", "populate_caches"):
+        if not hasattr(m, name):
+            return _missing(f"torch.compiler._cache.CacheArtifactManager.{name}")
+    return True
+
+
+@contextlib.contextmanager
+def recording_artifacts(into: Callable[[dict], None]):
+    """Around a compile: the cache artifacts it records are handed to `into` (kind -> artifacts) when it ends and
+    kept out of the process-wide list. Where torch cannot record them apart, `into` gets nothing and the process-wide
+    list keeps them (save_artifacts then falls back to torch's public save_cache_artifacts)."""
+    if per_compile_artifacts() is not True:
+        yield
+        return
+    m = _artifact_manager()
+    with m.with_fresh_cache():
+        try:
+            yield
+        finally:
+            into(dict(m._new_cache_artifacts))
+
+
+def save_artifacts(artifacts: dict) -> bytes | None:
+    """Serialize artifacts recorded by recording_artifacts (or, without per-compile recording, everything this
+    process recorded: torch.compiler.save_cache_artifacts)."""
+    if per_compile_artifacts() is not True:
+        res = torch.compiler.save_cache_artifacts()
+        return res[0] if res else None
+    m = _artifact_manager()
+    with m.with_fresh_cache():
+        for kind, items in artifacts.items():
+            m._new_cache_artifacts[kind].extend(items)
+        res = m.serialize()
+    return res[0] if res else None
+
+
+def load_artifacts(payload: bytes) -> tuple[dict, str]:
+    """Hot-load serialized artifacts into inductor's caches: (kind -> artifacts for re-saving, torch's summary).
+    Raises ValueError for a payload torch cannot read."""
+    if per_compile_artifacts() is not True:
+        info = torch.compiler.load_cache_artifacts(payload)
+        if info is None:
+            raise ValueError("its artifacts cannot be read")
+        return {}, str(info)
+    m = _artifact_manager()
+    artifacts = m.deserialize(payload)
+    if artifacts is None:
+        raise ValueError("its artifacts cannot be read")
+    info = m.populate_caches(artifacts)
+    return dict(artifacts), str(info)
+
+
+# -- AOT-compiled functions (warm-start packages) ------------------------------------------------------------------
+def aot_compile_available() -> bool | Unavailable:
+    if not hasattr(torch.compiler, "load_compiled_function"):
+        return _missing("torch.compiler.load_compiled_function", "torch 2.9 or newer")
+    ser = _attr("torch._dynamo.aot_compile.AOTCompiledFunction.serialize")
+    return ser if isinstance(ser, Unavailable) else True
+
+
+def enable_aot_compile():
+    """torch 2.9-2.11 read dynamo's enable_aot_compile when torch.compile wraps a function: on for the body only."""
+    return dynamo_config_patch(enable_aot_compile=True)
+
+
+def serialize_aot(fn) -> bytes:
+    cls = _attr("torch._dynamo.aot_compile.AOTCompiledFunction")
+    if isinstance(cls, Unavailable):
+        raise RuntimeError(str(cls))
+    return cls.serialize(fn).serialized_data
