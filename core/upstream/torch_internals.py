@@ -128,7 +128,9 @@ def graph_recordings(device: torch.device) -> tuple[int, int] | None | Unavailab
 def is_compiled_module(obj) -> bool:
     """A module that torch.compile wrapped (OptimizedModule) or compiled in place (Module.compile())."""
     cls = _attr("torch._dynamo.eval_frame.OptimizedModule")
-    if isinstance(cls, type) and isinstance(obj, cls):
+    if isinstance(cls, Unavailable):
+        say(cls, "modules wrapped by torch.compile are not recognised (only those compiled in place)")
+    elif isinstance(obj, cls):
         return True
     return bool(getattr(obj, "_compiled_call_impl", None))
 

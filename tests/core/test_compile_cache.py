@@ -87,10 +87,12 @@ def test_fp8_variants_of_one_model_get_their_own_cache_files(cpu_fp8, tiny_flux)
 
 
 def _artifact_keys(path) -> set:
-    from core.compile_cache import MAGIC, _manager
+    from torch.compiler._cache import CacheArtifactManager
+
+    from core.compile_cache import MAGIC
 
     payload = path.read_bytes()[len(MAGIC):].partition(b"\n")[2]
-    return {(kind, a.key) for kind, items in _manager().deserialize(payload).items() for a in items}
+    return {(kind, a.key) for kind, items in CacheArtifactManager.deserialize(payload).items() for a in items}
 
 
 def test_each_file_holds_only_its_own_models_artifacts(cpu_fp8, tiny_flux, tmp_path, monkeypatch):
