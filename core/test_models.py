@@ -2,9 +2,11 @@
 
 No weights are downloaded: every model here is FLUX's real ComfyUI architecture with seeded random weights.
   tiny     hidden 256, 2 heads, 2 double + 2 single blocks  -- built in-process for CPU unit tests
-  e2e      hidden 3072 (what ComfyUI's FLUX detection forces), 1 double + 1 single block -- written to a
-           .safetensors that ComfyUI's own UNETLoader detects as FLUX (e2e-schnell: the same without guidance
-           embedding, detected as FLUX.1-schnell)
+  e2e      hidden 256 (2 heads of 128), 1 double + 1 single block, FLUX.1's text and vector widths -- written to a
+           .safetensors that ComfyUI's own UNETLoader detects as FLUX (ComfyUI 0.33+ reads the width from
+           img_in.weight, heads = width / 128; e2e-schnell: the same without guidance embedding, FLUX.1-schnell)
+  e2e-3072 FLUX.1's own width 3072 (24 heads), 1 double + 1 single block: the file that exercises loading at full
+           width
   dev      FLUX.1-dev shape (19 double + 38 single blocks, guidance embedding)
   schnell  FLUX.1-schnell shape (no guidance embedding)
 """
@@ -26,8 +28,10 @@ _BASE = dict(
 SHAPES: dict[str, dict] = {
     "tiny": {**_BASE, "hidden_size": 256, "num_heads": 2, "context_in_dim": 64, "vec_in_dim": 64,
              "depth": 2, "depth_single_blocks": 2, "guidance_embed": True},
-    "e2e": {**_BASE, "depth": 1, "depth_single_blocks": 1, "guidance_embed": True},
-    "e2e-schnell": {**_BASE, "depth": 1, "depth_single_blocks": 1, "guidance_embed": False},
+    "e2e": {**_BASE, "hidden_size": 256, "num_heads": 2, "depth": 1, "depth_single_blocks": 1, "guidance_embed": True},
+    "e2e-schnell": {**_BASE, "hidden_size": 256, "num_heads": 2, "depth": 1, "depth_single_blocks": 1,
+                    "guidance_embed": False},
+    "e2e-3072": {**_BASE, "depth": 1, "depth_single_blocks": 1, "guidance_embed": True},
     "dev": {**_BASE, "depth": 19, "depth_single_blocks": 38, "guidance_embed": True},
     "schnell": {**_BASE, "depth": 19, "depth_single_blocks": 38, "guidance_embed": False},
 }

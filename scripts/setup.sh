@@ -13,7 +13,7 @@ if [ -n "${FLUXACCEL_PYTHON:-}" ]; then
   PY="$FLUXACCEL_PYTHON"
 else
   if [ ! -x .venv/bin/python ]; then say "creating .venv"; python3 -m venv .venv; fi
-  if ! .venv/bin/python -c "import torch, torchvision, torchao, pytest, safetensors, tqdm, matplotlib" 2>/dev/null; then
+  if ! .venv/bin/python -c "import torch, torchvision, torchao, pytest, xdist, safetensors, tqdm, matplotlib" 2>/dev/null; then
     say "installing torch, torchao and the test tools into .venv (requirements-dev.txt; several minutes on a fresh machine)"
     .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
   fi
@@ -28,4 +28,8 @@ else
 fi
 say "preparing ComfyUI $HOST (tools/host.py)"
 "$PY" tools/host.py --comfyui "$HOST" >/dev/null
+if [ -z "${FLUXACCEL_PYTHON:-}" ] && [ -f ../shared/hosts/comfyui-0.38.1-files/comfy/model_prefetch.py ]; then
+  say "comfy-aimdo 0.5.5 for the ComfyUI 0.38.1 model-compiler test (tools/comfy038.py)"
+  "$PY" tools/comfy038.py >/dev/null
+fi
 echo "$PY"

@@ -1,7 +1,7 @@
 """Write a FLUX.1 diffusion-model file with seeded random weights, loadable by ComfyUI's UNETLoader: what the CPU
 quickstart workflow (example_workflows/fluxaccel_quickstart_cpu.json) and the tests load.
 
-    python tools/random_model.py --comfyui /path/to/ComfyUI            # the 'e2e' shape, ~0.7 GB, seconds
+    python tools/random_model.py --comfyui /path/to/ComfyUI            # the "e2e" shape, ~10 MB, a second
     python tools/random_model.py --comfyui /path/to/ComfyUI --shape dev  # FLUX.1-dev's shape, 24 GB
 
 Shapes: 'e2e' (FLUX's width 3072, 1 double + 1 single block: runs on a CPU in seconds per step), 'dev' and

@@ -27,7 +27,7 @@ def e2e_file():
     from conftest import ROOT
     from core.test_models import write_flux_file
 
-    return write_flux_file(ROOT / ".cache" / "models" / "diffusion_models" / "fluxaccel-random-e2e.safetensors", "e2e")
+    return write_flux_file(ROOT / ".cache" / "models" / "diffusion_models" / "fluxaccel-random-e2e-3072.safetensors", "e2e-3072")
 
 
 def dynamic_patcher(path, with_init=True):
