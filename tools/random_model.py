@@ -4,7 +4,7 @@ quickstart workflow (example_workflows/fluxaccel_quickstart_cpu.json) and the te
     python tools/random_model.py --comfyui /path/to/ComfyUI            # the "e2e" shape, ~10 MB, a second
     python tools/random_model.py --comfyui /path/to/ComfyUI --shape dev  # FLUX.1-dev's shape, 24 GB
 
-Shapes: 'e2e' (FLUX's width 3072, 1 double + 1 single block: runs on a CPU in seconds per step), 'dev' and
+Shapes: 'e2e' (FLUX at width 256, 1 double + 1 single block: runs on a CPU in well under a second per step), 'dev' and
 'schnell' (the real architectures: their speed and memory are the real models', their images are noise). The file
 goes to <ComfyUI>/models/diffusion_models/fluxaccel-random-<shape>.safetensors; an existing file is kept.
 """
