@@ -33,10 +33,10 @@ UNKNOWN_PHASE = "phase unknown (torch's compile timers are not where FluxAccel r
 
 def _counts() -> dict[str, int] | None:
     """How many times each phase's timer has ended so far; None where torch does not expose its timers."""
-    from .upstream import torch_internals
+    from .upstream import Unavailable, torch_internals
 
-    timers = torch_internals.compile_timers()
-    return {k: len(timers.get(k, ())) for k, _ in PHASES} if timers else None
+    timers = torch_internals.compile_timers()  # an empty dict before the process's first compile
+    return None if isinstance(timers, Unavailable) else {k: len(timers.get(k, ())) for k, _ in PHASES}
 
 
 def phase(before: dict[str, int] | None, now: dict[str, int] | None) -> str:

@@ -15,6 +15,18 @@ def test_phase_is_the_first_whose_timer_has_not_moved():
     assert phase({}, {timer: 1 for timer, _ in PHASES}) == FIRST_RUN
 
 
+def test_a_process_that_never_compiled_reads_its_first_phase(monkeypatch):
+    """torch's timers are an empty dict before the process's first compile: that is 'nothing ended yet' (the first
+    phase), not 'timers unavailable' (H200, 2026-12-02: a restarted server's progress said 'phase unknown')."""
+    from core import compile_progress
+    from core.upstream import torch_internals
+
+    monkeypatch.setattr(torch_internals, "compile_timers", lambda: {})
+    counts = compile_progress._counts()
+    assert counts == {timer: 0 for timer, _ in PHASES}
+    assert phase(counts, counts) == "tracing the model (dynamo)"
+
+
 def test_a_real_compile_reports_its_phases_until_ready(tiny_flux):
     """Reports every second from a watcher thread while the sampler's thread compiles; a report that raises (an editor
     that went away) stops neither the reports nor the compile."""
