@@ -231,23 +231,64 @@ def rows_to_dicts(rows: list[BenchRow]) -> list[dict]:
     return [asdict(r) for r in rows]
 
 
+NOISY = 0.10  # a row whose timed runs spread over more than this fraction of their median is called out
+
+
+def spread_fraction(r: dict) -> float | None:
+    """(max - min) / median of a row's timed runs; None with fewer than two runs."""
+    runs = r.get("runs") or []
+    if len(runs) < 2 or not r["s_per_image_median"]:
+        return None
+    return (max(runs) - min(runs)) / r["s_per_image_median"]
+
+
+def _spread_cell(r: dict) -> str | None:
+    runs = r.get("runs") or []
+    if not runs:
+        return None
+    if len(runs) == 1:
+        return "1 run"
+    return f"{min(runs):.3f}-{max(runs):.3f} ({len(runs)} runs)"
+
+
+LEGEND = ("**bold**: the best value of each column. speedup: the row's baseline s/image (same runs) / its own. spread: "
+          "the fastest and slowest timed run. denoiser rel err / SQNR: one denoiser call at sigmas 0.9, 0.5 and 0.1 "
+          "against the row's baseline (lower / higher is closer; '-' on the baseline itself).")
+
+
+def notes(rows: list[dict]) -> list[str]:
+    """Lines under the table: which rows are too noisy to read a speedup from."""
+    noisy = [f"{r['config']} ({100 * f:.0f} %)" for r in rows if (f := spread_fraction(r)) is not None and f > NOISY]
+    if not noisy:
+        return []
+    return [f"Noisy: the timed runs of {', '.join(noisy)} spread over more than {100 * NOISY:.0f} % of their median; "
+            f"raise runs (or close other programs) before reading a speedup from them."]
+
+
 def markdown_table(rows: list[BenchRow], case: BenchCase) -> str:
     head = (f"FLUX {case.width}x{case.height}, {case.steps} {case.sampler} steps, cfg {case.cfg}, "
             f"{case.runs} timed runs each\n\n")
-    return head + markdown_rows(rows_to_dicts(rows))
+    dicts = rows_to_dicts(rows)
+    return head + markdown_rows(dicts) + "\n\n" + "\n".join([*notes(dicts), LEGEND])
 
 
-# column: (heading, value of a row dict, format, which is best: min or max); None where a row has no value
+# column: (heading, value of a row dict, format, which is best: min or max); None where a row has no value. The
+# columns a person decides by first come first (the node shows them at its shipped width).
 _COLUMNS = (
-    ("baseline s/image", lambda r: r.get("baseline_s_per_image_median") or r["s_per_image_median"], "{:.3f}", None),
     ("s/image (median)", lambda r: r["s_per_image_median"], "{:.3f}", min),
-    ("ms/step", lambda r: 1000 * r["s_per_step_median"], "{:.1f}", min),
     ("speedup vs its baseline", lambda r: r["speedup_vs_eager"], "{:.2f}x", max),
+    ("spread s (runs)", _spread_cell, "{}", None),
+    ("baseline s/image", lambda r: r.get("baseline_s_per_image_median") or r["s_per_image_median"], "{:.3f}", None),
+    ("ms/step", lambda r: 1000 * r["s_per_step_median"], "{:.1f}", min),
     ("first run s", lambda r: r["first_run_s"], "{:.1f}", min),
     ("peak VRAM GiB", lambda r: r.get("peak_vram_gib"), "{:.2f}", min),
     ("denoiser rel err", lambda r: r["denoiser_rel_err"] or None, "{:.4f}", min),  # a baseline's own 0: not a value
-    ("SQNR dB", lambda r: r["denoiser_sqnr_db"] if math.isfinite(r["denoiser_sqnr_db"]) else None, "{:.1f}", max),
+    ("SQNR dB", lambda r: _finite(r.get("denoiser_sqnr_db")), "{:.1f}", max),  # null in strict JSON
 )
+
+
+def _finite(v):
+    return v if v is not None and math.isfinite(v) else None
 
 
 def table_cells(rows: list[dict]) -> dict:

@@ -86,6 +86,17 @@ def render(rows: list[dict]):
     return fig
 
 
+def to_png(fig) -> bytes:
+    """The figure as PNG bytes (the chart file kept beside the results)."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    buf = io.BytesIO()
+    FigureCanvasAgg(fig).print_png(buf)
+    return buf.getvalue()
+
+
 def to_image_tensor(fig):
     """ComfyUI IMAGE: float32 [1, H, W, 3] in 0..1."""
     import torch

@@ -94,7 +94,8 @@ def linear_like(mod) -> bool:
 def checkpoint_format(mod) -> str:
     """How a checkpoint stored this Linear's weight: e.g. 'float8_e4m3fn (TensorCoreFP8E4M3Layout)'."""
     qdata = comfy_internals.checkpoint_qdata(getattr(mod, "weight", None))  # 0.3.75 keeps no quant_format on it
-    fmt = getattr(mod, "quant_format", None) or (str(qdata.dtype).replace("torch.", "") if qdata else "quantized")
+    fmt = getattr(mod, "quant_format", None) or (str(qdata.dtype).replace("torch.", "")
+                                                 if isinstance(qdata, torch.Tensor) else "quantized")
     layout = getattr(mod, "layout_type", None)
     return f"{fmt} ({layout})" if layout else fmt
 

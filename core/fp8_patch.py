@@ -135,7 +135,7 @@ def _stored_bytes(lin) -> int:
     if not is_checkpoint_quantized(w):
         return linear_weight_bytes(lin)
     q = comfy_internals.checkpoint_qdata(w)
-    if not q:  # cannot read the stored data: its bf16 size is an upper bound (only the memory report uses it)
+    if not isinstance(q, torch.Tensor):  # cannot read the stored data: its bf16 size is an upper bound (only the memory report uses it)
         return linear_weight_bytes(lin)
     return q.numel() * q.element_size()
 

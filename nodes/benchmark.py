@@ -1,7 +1,6 @@
-import json
 import logging
 import os
-import time
+import uuid
 from dataclasses import asdict
 
 import comfy.samplers
@@ -10,12 +9,14 @@ import folder_paths
 import torch
 from comfy_api.latest import io, ui
 
-from ..core import chart, env
+from ..core import chart, env, results
 from ..core.bench import BenchCase, benchmark, markdown_table, rows_to_dicts, table_cells
+from ..core.compile_patch import compiled_of
 from ..core.flux import require_flux
 from ..core import patches
 from ..core.test_models import synthetic_conditioning_for
 from . import ids
+from .events import compiled_state
 from .validation import one_of
 
 log = logging.getLogger("fluxaccel.bench")
@@ -59,6 +60,12 @@ class Benchmark(io.ComfyNode):
                       scheduler=(scheduler, comfy.samplers.KSampler.SCHEDULERS))
 
     @classmethod
+    def fingerprint_inputs(cls, **kwargs):
+        """A new fingerprint every time: a queued Benchmark always measures again (not_idempotent only keeps ComfyUI
+        from sharing its cache entry between nodes; an unchanged prompt would return the old table)."""
+        return uuid.uuid4().hex
+
+    @classmethod
     def execute(cls, model, text_length, width, height, steps, runs, seed, cfg, sampler_name, scheduler, label,
                 baseline=None, positive=None) -> io.NodeOutput:
         dm = require_flux(model, "Benchmark (FluxAccel)")
@@ -74,21 +81,25 @@ class Benchmark(io.ComfyNode):
         rows = benchmark(models, case, positive, negative, on_step=lambda step, total: pbar.update(1),
                          describe=patches.describe)
         table = markdown_table(rows, case)
-        results = rows_to_dicts(rows)
-        out_dir = os.path.join(folder_paths.get_output_directory(), "fluxaccel")
-        os.makedirs(out_dir, exist_ok=True)
-        name = f"benchmark-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}.json"
-        with open(os.path.join(out_dir, name), "w") as f:
-            json.dump({"case": asdict(case), "text_length": positive[0][0].shape[1], "env": env.describe(),
-                       "results": results, "table": table}, f, indent=2)
+        rows_out = rows_to_dicts(rows)
         try:
-            image = chart.to_image_tensor(chart.render(results))
+            fig = chart.render(rows_out)
+            image, png = chart.to_image_tensor(fig), chart.to_png(fig)
         except chart.ChartUnavailable as e:  # said in the table and the log; the figures are all in the table/JSON
             log.warning("FluxAccel Benchmark: no chart: %s", e)
             table += f"\n\n(no chart: {e})"
-            image = torch.zeros(1, 64, 64, 3)
+            image, png = torch.zeros(1, 64, 64, 3), None
+        folder = os.path.join(folder_paths.get_output_directory(), "fluxaccel")
+        files = results.save_run(folder, models[-1][0], {
+            "case": asdict(case), "text_length": positive[0][0].shape[1], "env": env.describe(), "results": rows_out,
+            "table": table}, table, png)
+        log.info("FluxAccel Benchmark: results in %s (%s)", folder, ", ".join(files.values()))
         preview = ui.PreviewImage(image, cls=cls).as_dict()
-        cells = {**table_cells(results), "caption": table.split("\n", 1)[0]}
-        return io.NodeOutput(table, image, ui={**preview, "text": [table], "fluxaccel_table": [cells],
-                                                  "fluxaccel_json": [f"fluxaccel/{name}"],
-                                                  "fluxaccel_speedup": [round(rows[-1].speedup_vs_eager, 3)]})
+        cells = table_cells(rows_out)
+        cells["caption"] = table.split("\n", 1)[0]
+        compiled = compiled_of(model)
+        return io.NodeOutput(table, image, ui={
+            **preview, "text": [table], "fluxaccel_table": [cells], "fluxaccel_json": [f"fluxaccel/{files['json']}"],
+            # the badge shows the table's own cell (one rounding) and the model's compile state as measured
+            "fluxaccel_speedup": [cells["rows"][-1]["cells"][cells["columns"].index("speedup vs its baseline") - 1]],
+            "fluxaccel_compiled": [compiled_state(compiled) if compiled is not None else None]})

@@ -9,6 +9,20 @@ log = logging.getLogger("fluxaccel.events")
 COMPILED = "fluxaccel.compiled"
 
 
+def compiled_state(compiled) -> dict:
+    """What the Compile node's badge shows of a compiled model, read from its stats (the websocket message while it
+    compiles; the Benchmark's output again, so a badge whose Compile node came from ComfyUI's cache agrees too)."""
+    st = compiled.stats
+    return {
+        "shapes": [k.describe() for k in st.shapes],
+        "short": [f"{k.width * 8}x{k.height * 8} b{k.batch} t{k.text_len}" for k in st.compile_seconds],
+        "graphs": compiled.graphs_running,
+        "graphs_lost": "; ".join(f"{k.describe()}: {v}" for k, v in st.graphs_lost.items()),
+        "graphs_off": "cudaMallocAsync: start ComfyUI with --disable-cuda-malloc" if st.graphs_off_reason else "",
+        "compile_seconds": [round(v, 1) for v in st.compile_seconds.values()],
+    }
+
+
 def compiled_notifier(node_id: str | None):
     """A CompiledFlux.on_compiled callback that tells the editor about the Compile node `node_id`."""
     def notify(compiled) -> None:
@@ -17,18 +31,10 @@ def compiled_notifier(node_id: str | None):
         try:
             from server import PromptServer
 
-            st = compiled.stats
-            PromptServer.instance.send_sync(COMPILED, {
-                "node": str(node_id),
-                "shapes": [k.describe() for k in st.shapes],
-                "short": [f"{k.width * 8}x{k.height * 8} b{k.batch} t{k.text_len}" for k in st.compile_seconds],
-                "graphs": compiled.graphs_running,
-                "graphs_lost": "; ".join(f"{k.describe()}: {v}" for k, v in st.graphs_lost.items()),
-                "graphs_off": "cudaMallocAsync: start ComfyUI with --disable-cuda-malloc" if st.graphs_off_reason else "",
-                "compile_seconds": [round(v, 1) for v in st.compile_seconds.values()],
-            })
-        except Exception as e:  # the editor badge is a nicety: never fail a prompt over it
-            log.debug("FluxAccel: could not notify the editor (%s)", e)
+            PromptServer.instance.send_sync(COMPILED, {"node": str(node_id), **compiled_state(compiled)})
+        except Exception as e:  # the editor badge is a nicety: never fail a prompt over it (said, not hidden)
+            log.warning("FluxAccel: could not update the Compile node's badge in the editor (%s: %s)",
+                        type(e).__name__, e)
     return notify
 
 

@@ -38,6 +38,8 @@ CASES = {
 WORKFLOWS = {
     # suite: (workflow, ComfyUI launch flags it needs on a GPU)
     "fp8": ("fluxaccel_fp8_benchmark.json", []),
+    # what shows the plugin on a CPU: Compile -> Warmup -> Benchmark against eager (FP8 needs an NVIDIA GPU)
+    "quickstart-cpu": ("fluxaccel_quickstart_cpu.json", []),
     "compile": ("fluxaccel_compile_benchmark.json", ["--disable-cuda-malloc"]),
     "samplers": ("fluxaccel_compile_benchmark.json", ["--disable-cuda-malloc"]),
     # FluxAccel against ComfyUI core's own acceleration, with ComfyUI's default launch flags (core_prompt below)
@@ -147,8 +149,9 @@ def main(argv=None) -> int:
     ap.add_argument("--suite", choices=sorted(WORKFLOWS), default=None,
                     help="fp8: eager vs FP8; compile: eager vs compile/graphs/FP8 variants; samplers: graphs vs no "
                          "graphs for each sampler and cfg 3.5; core: core's TorchCompileModel (bf16, fp8_e4m3fn_fast) vs "
-                         "FluxAccel's default and fastest, with ComfyUI's default launch flags (default: compile on "
-                         "a GPU, fp8 on the CPU)")
+                         "FluxAccel's default and fastest, with ComfyUI's default launch flags; quickstart-cpu: "
+                         "Compile -> Warmup -> Benchmark, no FP8 (default: compile on a GPU, quickstart-cpu on the CPU; "
+                         "fp8 on the CPU runs torchao's FP8 kernels there: a functional check, slower by design)")
     ap.add_argument("--out", help="folder for the results JSON (default: bench/results on a GPU, .cache/bench-results "
                                    "on the CPU, so that a CPU run leaves the tracked files alone)")
     ap.add_argument("--models-dir", default=str(ROOT / ".cache" / "models"), help="where random-weight models are cached")
@@ -160,7 +163,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="[fluxaccel] %(message)s")
 
     gpu = _gpu()
-    a.suite = a.suite or ("compile" if gpu else "fp8")
+    a.suite = a.suite or ("compile" if gpu else "quickstart-cpu")
     case_name = a.case or ("dev-1024-28" if gpu else "tiny-cpu")
     case = CASES[case_name]
     runs = a.runs or case["runs"]
@@ -208,8 +211,10 @@ def main(argv=None) -> int:
     stem = f"{tag}-{case_name}" + ("" if a.suite == "fp8" else f"-{a.suite}")
     if a.only:
         stem += "-" + "".join(c if c.isalnum() else "-" for c in "-".join(a.only).lower()).strip("-")
-    path = out / f"{stem}.json"
+    path = out / f"{stem}.json"  # the latest run; every run also keeps its own files under <stem>-<time>
+    run_stem = out / f"{stem}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     files: list[tuple[int, dict]] = []  # (node id, benchmark file), in completion order
+    kept: list[str] = []  # each Benchmark node's table and chart, copied next to the run's JSON
 
     def write(complete: bool) -> list[dict]:
         rows = merge_results([f for _, f in sorted(files, key=lambda x: x[0])])
@@ -225,7 +230,10 @@ def main(argv=None) -> int:
             "complete": complete,
             "results": rows,
         }
-        path.write_text(json.dumps(result, indent=2) + "\n")
+        from core.results import dumps
+
+        for target in (path, run_stem.with_suffix(".json")):
+            target.write_text(dumps(result))
         return rows
     from tqdm import tqdm
 
@@ -239,7 +247,14 @@ def main(argv=None) -> int:
             def on_event(kind: str, data: dict) -> None:
                 if kind == "executed":  # a Benchmark node finished: record its rows now (partial results survive)
                     for rel in (data.get("output") or {}).get("fluxaccel_json", []):
-                        files.append((int(data["node"]), json.loads((server.output_dir / rel).read_text())))
+                        src = server.output_dir / rel
+                        bench_file = json.loads(src.read_text())
+                        files.append((int(data["node"]), bench_file))
+                        for kind, name in (bench_file.get("files") or {}).items():
+                            if kind in ("md", "png"):
+                                dest = f"{run_stem.name}-node{data['node']}.{kind}"
+                                (out / dest).write_bytes((src.parent / name).read_bytes())
+                                kept.append(dest)
                         write(complete=False)
                 if kind == "executing" and data.get("node"):
                     tqdm.write(f"running: {titles.get(data['node'], data['node'])}")
@@ -260,9 +275,11 @@ def main(argv=None) -> int:
                 bar.close()
         finally:
             server.stop()
-            if a.log:
-                import shutil
+            import shutil
 
+            if Path(server.log_path).is_file():  # kept with the run's results
+                shutil.copy(server.log_path, run_stem.with_suffix(".log"))
+            if a.log:
                 shutil.copy(server.log_path, a.log)
     if not files:
         raise SystemExit("the workflow produced no benchmark results; see the ComfyUI log above")
@@ -272,7 +289,8 @@ def main(argv=None) -> int:
     from core.bench import markdown_rows
 
     print(markdown_rows(rows))
-    print(f"\nwrote {path}")
+    print(f"\nwrote {path} and, for this run, {run_stem.name}.json, .log"
+          + (f", {', '.join(kept)}" if kept else "") + f" in {out}")
     return 0
 
 

@@ -226,7 +226,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     device = 'h200' if gpu and 'H200' in gpu else (gpu or 'cpu').lower().replace(' ', '-')
     path = out / f"reliability-{device}-{result['env']['comfyui']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    from core.results import dumps
+
+    path.write_text(dumps(result))
     for name, c in cases.items():
         print(f"{name:12s} {'pass' if c['passed'] else 'FAIL'}")
     print(f"{result['passed']}/{result['total']} passed; wrote {path}")

@@ -32,7 +32,7 @@ function badgeText(b) {
     parts.push(b.graphs ? "CUDA graphs on" : b.graphsOff ? `CUDA graphs off (${b.graphsOff})`
       : b.graphsLost ? "CUDA graphs lost (re-record limit)" : "CUDA graphs off");
   }
-  if (b.speedup) parts.push(`${b.speedup.toFixed(2)}x vs eager`);
+  if (b.speedup) parts.push(`${b.speedup} vs its baseline`); // the Benchmark table's own cell: one rounding
   return parts.join(" | ");
 }
 
@@ -61,9 +61,12 @@ function toast(summary, detail) {
   app.extensionManager?.toast?.add({ severity: "error", summary, detail, life: 15000 });
 }
 
+function compiledPatch(state) {
+  return { shapes: state.short, graphs: state.graphs, graphsOff: state.graphs_off, graphsLost: state.graphs_lost };
+}
+
 api.addEventListener("fluxaccel.compiled", ({ detail }) => {
-  updateBadge(detail.node, { shapes: detail.short, graphs: detail.graphs, graphsOff: detail.graphs_off,
-                             graphsLost: detail.graphs_lost });
+  updateBadge(detail.node, compiledPatch(detail));
 });
 
 api.addEventListener("execution_error", ({ detail }) => {
@@ -189,7 +192,9 @@ app.registerExtension({
       if (nodeData.name === COMPILE) updateBadge(this.id, {});
       if (nodeData.name === BENCHMARK && message?.fluxaccel_speedup?.length) {
         const compile = upstreamCompile(this);
-        if (compile) updateBadge(compile.id, { speedup: Number(message.fluxaccel_speedup[0]) });
+        // the compile state measured with the speedup: right also when the Compile node came from ComfyUI's cache
+        const state = message.fluxaccel_compiled?.[0];
+        if (compile) updateBadge(compile.id, { ...(state ? compiledPatch(state) : {}), speedup: message.fluxaccel_speedup[0] });
       }
     };
   },

@@ -82,8 +82,9 @@ def test_denoiser_outputs_go_through_comfyuis_sampling_path(tiny_flux, compiled)
             denoiser_outputs(model, BenchCase(width=128, height=128, cfg=3.5), pos, neg)
 
 
-def _row(config, s, base, err, vram=None):
+def _row(config, s, base, err, vram=None, runs=None):
     return {"config": config, "s_per_image_median": s, "s_per_step_median": s / 28, "speedup_vs_eager": base / s,
+            "runs": runs if runs is not None else [s - 0.1, s, s + 0.1],
             "baseline_s_per_image_median": base, "first_run_s": 10 * s, "peak_vram_gib": vram,
             "denoiser_rel_err": err, "denoiser_sqnr_db": float("inf") if err == 0 else 20.0 + 1 / err}
 
@@ -97,17 +98,18 @@ def test_table_shows_each_rows_own_baseline_and_marks_the_best():
             _row("eager-bf16", 12.92, 12.92, 0.0, 14.6), _row("bf16+compile", 3.83, 12.92, 0.012, 14.4)]
     lines = markdown_rows(rows).splitlines()
     head = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert head[:5] == ["config", "baseline s/image", "s/image (median)", "ms/step", "speedup vs its baseline"]
+    assert head[:6] == ["config", "s/image (median)", "speedup vs its baseline", "spread s (runs)", "baseline s/image",
+                        "ms/step"]
     cells = [[c.strip().strip("*") for c in line.strip("|").split("|")] for line in lines[2:]]
     assert len(cells) == 4
     for c in cells:
-        base, s, speedup = float(c[1]), float(c[2]), float(c[4].rstrip("x"))
+        s, speedup, base = float(c[1]), float(c[2].rstrip("x")), float(c[4])
         assert speedup == pytest.approx(base / s, abs=0.01)
-    assert [c[1] for c in cells] == ["5.360", "5.360", "12.920", "12.920"]
+    assert [c[4] for c in cells] == ["5.360", "5.360", "12.920", "12.920"]
     bold = [[i for i, c in enumerate(line.strip("|").split("|")) if c.strip().startswith("**")] for line in lines[2:]]
-    assert 2 in bold[1] and 4 in bold[3]  # fastest s/image: fp8+compile; largest speedup (3.37x): bf16+compile
-    assert 7 in bold[3] and 7 not in bold[0]  # smallest error among the accelerated rows; baselines read '-'
-    assert cells[0][7] == "-" and cells[0][8] == "-"
+    assert 1 in bold[1] and 2 in bold[3]  # fastest s/image: fp8+compile; largest speedup (3.37x): bf16+compile
+    assert 8 in bold[3] and 8 not in bold[0]  # smallest error among the accelerated rows; baselines read '-'
+    assert cells[0][8] == "-" and cells[0][9] == "-"
 
 
 def test_the_nodes_rendered_table_has_the_markdown_tables_cells():
@@ -116,9 +118,24 @@ def test_the_nodes_rendered_table_has_the_markdown_tables_cells():
 
     rows = [_row("eager-bf16", 5.36, 5.36, 0.0, 14.5), _row("fp8+compile", 2.90, 5.36, 0.045, 9.0)]
     t = table_cells(rows)
-    assert t["columns"][0] == "config" and len(t["columns"]) == 9
+    assert t["columns"][0] == "config" and len(t["columns"]) == 10
     assert [r["config"] for r in t["rows"]] == ["eager-bf16", "fp8+compile"]
-    assert t["rows"][1]["cells"][:4] == ["5.360", "2.900", f"{1000 * 2.90 / 28:.1f}", "1.85x"]
-    assert t["rows"][1]["best"][1] and not t["rows"][0]["best"][1] and t["rows"][0]["cells"][6] == "-"
+    assert t["rows"][1]["cells"][:5] == ["2.900", "1.85x", "2.800-3.000 (3 runs)", "5.360", f"{1000 * 2.90 / 28:.1f}"]
+    assert t["rows"][1]["best"][0] and not t["rows"][0]["best"][0] and t["rows"][0]["cells"][7] == "-"
     md = [[c.strip().strip("*") for c in line.strip("|").split("|")] for line in markdown_rows(rows).splitlines()[2:]]
     assert md == [[r["config"], *r["cells"]] for r in t["rows"]]
+
+
+def test_spread_is_on_every_row_and_noise_over_ten_percent_is_called_out():
+    from core.bench import LEGEND, notes, table_cells
+
+    rows = [_row("eager-bf16", 3.4, 3.4, 0.0, runs=[2.8, 3.4, 3.9]), _row("bf16+compile", 2.0, 3.4, 0.01,
+                                                                           runs=[1.98, 2.0, 2.02]),
+            _row("once", 1.0, 3.4, 0.01, runs=[1.0])]
+    t = table_cells(rows)
+    spread = [r["cells"][t["columns"].index("spread s (runs)") - 1] for r in t["rows"]]
+    assert spread == ["2.800-3.900 (3 runs)", "1.980-2.020 (3 runs)", "1 run"]
+    said = notes(rows)
+    assert len(said) == 1 and "eager-bf16 (32 %)" in said[0] and "bf16+compile" not in said[0]
+    assert notes(rows[1:]) == []
+    assert "bold" in LEGEND and "spread" in LEGEND and "denoiser" in LEGEND

@@ -32,7 +32,7 @@ def test_warmup_then_benchmark(server):
     out = hist["outputs"]["4"]
     assert out["images"][0]["filename"].endswith(".png") and out["images"][0]["type"] == "temp"
     assert "| bf16+compile+regions |" in out["text"][0]
-    res = json.loads((server.output_dir / out["fluxaccel_json"][0]).read_text())
+    res = json.loads((server.output_dir / out["fluxaccel_json"][0]).read_text(), parse_constant=_no_constants)
     base, accel = res["results"]
     assert base["config"] == "eager-bf16" and accel["config"] == "bf16+compile+regions"
     for r in (base, accel):
@@ -47,3 +47,20 @@ def test_warmup_then_benchmark(server):
     # every model call went through the compiled model, the fidelity forwards included:
     # warmup 2 + first run 2 + 2 x (1 warm step + 2 timed steps) + 3 denoiser forwards
     assert comp["calls"] == 2 + 2 + 2 * 3 + 3
+    # the results are kept together (json, md, png and a latest pointer) and parse under a strict JSON parser
+    folder = (server.output_dir / out["fluxaccel_json"][0]).parent
+    latest = json.loads((folder / "latest.json").read_text(), parse_constant=_no_constants)
+    assert latest["files"]["json"] == res["files"]["json"] and (folder / latest["files"]["png"]).stat().st_size > 1000
+    assert (folder / latest["files"]["md"]).read_text().startswith(out["text"][0].split("\n", 1)[0])
+    json.loads((folder / latest["files"]["json"]).read_text(), parse_constant=_no_constants)
+    assert out["fluxaccel_speedup"][0] == f"{accel['speedup_vs_eager']:.2f}x"
+    assert out["fluxaccel_compiled"][0]["short"] == ["64x64 b1 t16"]
+
+    # queued again unchanged: the Benchmark measures again (only the nodes above it come from ComfyUI's cache)
+    again = server.run(prompt)
+    assert "4" not in server.cached_nodes(again) and {"1", "2", "3"} <= set(server.cached_nodes(again))
+    assert again["outputs"]["4"]["fluxaccel_json"] != out["fluxaccel_json"]
+
+
+def _no_constants(name):
+    raise ValueError(f"{name} in a results JSON")
