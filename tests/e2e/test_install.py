@@ -53,7 +53,7 @@ def test_clean_clone_into_a_fresh_comfyui_starts(tmp_path):
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     written = comfy / "models" / "diffusion_models" / "fluxaccel-random-e2e.safetensors"
-    assert written.stat().st_size > 500e6 and "wrote" in p.stderr, p.stderr[-2000:]
+    assert written.stat().st_size > 5e6 and "wrote" in p.stderr, p.stderr[-2000:]  # the 256-wide e2e shape, ~10 MB
     quickstart = json.loads((plugin / "example_workflows" / "api" / "fluxaccel_quickstart_cpu.json").read_text())
     assert quickstart["1"]["inputs"]["unet_name"] == written.name
     with ComfyServer(comfy, tmp_path / "work", MODELS_DIR, CPU_SERVER_ARGS) as srv:
