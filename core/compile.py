@@ -58,6 +58,19 @@ class CompileConfig:
                 raise FluxAccelError(f"block_regions needs torch.compiler.nested_compile_region (torch 2.8 or newer); "
                                      f"this is torch {torch.__version__}. Turn block_regions off.")
 
+    def summary(self) -> str:
+        """The config in words (the Compile node's text)."""
+        policy = {"strict": "only the first shape (another is an error)",
+                  "recompile": f"up to {self.max_shapes} shapes, each compiled when first met",
+                  "eager_fallback": "the first shape compiled, others run uncompiled (counted)"}[self.resolution_policy]
+        return "; ".join([
+            "whole model, compiled on first use" + (f" (mode {self.mode})" if self.mode != "default" else ""),
+            "CUDA graphs " + ("on" if self.cuda_graphs else "off"),
+            f"shapes: {policy}",
+            "repeated blocks compiled once" if self.block_regions else "every block compiled",
+            ("compile cache on" + (" with warm start" if self.warm_start else "")) if self.persistent_cache
+            else "no compile cache (compiles again after a restart)"])
+
     def inductor_options(self, device: torch.device) -> dict:
         """Options passed to this torch.compile call only (no process-wide inductor/dynamo config changes).
 

@@ -10,14 +10,14 @@ import torch
 from comfy_api.latest import io, ui
 
 from ..core import chart, env, results
-from ..core.bench import BenchCase, benchmark, markdown_table, rows_to_dicts, table_cells
+from ..core.bench import LEGEND, BenchCase, benchmark, markdown_table, rows_to_dicts, table_cells
+from ..core.bench import notes as bench_notes
 from ..core.compile_patch import compiled_of
 from ..core.flux import require_flux
 from ..core import patches
 from ..core.test_models import synthetic_conditioning_for
 from . import ids
 from .events import compiled_state
-from .validation import one_of
 
 log = logging.getLogger("fluxaccel.bench")
 
@@ -53,11 +53,6 @@ class Benchmark(io.ComfyNode):
             ],
             outputs=[io.String.Output(display_name="table"), io.Image.Output(display_name="chart")],
         )
-
-    @classmethod
-    def validate_inputs(cls, sampler_name, scheduler):
-        return one_of(sampler_name=(sampler_name, comfy.samplers.KSampler.SAMPLERS),
-                      scheduler=(scheduler, comfy.samplers.KSampler.SCHEDULERS))
 
     @classmethod
     def fingerprint_inputs(cls, **kwargs):
@@ -97,6 +92,7 @@ class Benchmark(io.ComfyNode):
         preview = ui.PreviewImage(image, cls=cls).as_dict()
         cells = table_cells(rows_out)
         cells["caption"] = table.split("\n", 1)[0]
+        cells["notes"] = [*bench_notes(rows_out), LEGEND.replace("**bold**", "highlighted")]
         compiled = compiled_of(model)
         return io.NodeOutput(table, image, ui={
             **preview, "text": [table], "fluxaccel_table": [cells], "fluxaccel_json": [f"fluxaccel/{files['json']}"],

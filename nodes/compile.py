@@ -5,7 +5,6 @@ from ..core.compile import MODES, POLICIES, CompileConfig
 from ..core.compile_patch import apply_compile
 from . import ids
 from .events import compiled_notifier, progress_text
-from .validation import one_of
 
 
 class Compile(io.ComfyNode):
@@ -48,10 +47,6 @@ class Compile(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, mode, resolution_policy):
-        return one_of(mode=(mode, MODES), resolution_policy=(resolution_policy, POLICIES))
-
-    @classmethod
     def execute(cls, model, cuda_graphs, mode, resolution_policy, max_shapes, persistent_cache=True,
                 clear_cache=False, block_regions=True) -> io.NodeOutput:
         if clear_cache:
@@ -62,7 +57,7 @@ class Compile(io.ComfyNode):
         clone, compiled = apply_compile(model, cfg)
         compiled.on_compiled = compiled_notifier(cls.hidden.unique_id)
         compiled.on_progress = progress_text(cls.hidden.unique_id)
-        text = f"compile on first use: {compiled.cfg}"
+        text = compiled.cfg.summary()
         if compiled.stats.graphs_off_reason:
             text += f"\nCUDA graphs off: {compiled.stats.graphs_off_reason}"
         return io.NodeOutput(clone, ui=ui.PreviewText(text))

@@ -3,7 +3,6 @@ from comfy_api.latest import io, ui
 from ..core.fp8 import DEFAULT_LAYOUT, GRANULARITIES, LAYOUTS, SCOPES, Fp8Config
 from ..core.fp8_patch import apply_fp8
 from . import ids
-from .validation import one_of
 
 
 class QuantizeFP8(io.ComfyNode):
@@ -31,10 +30,6 @@ class QuantizeFP8(io.ComfyNode):
             ],
             outputs=[io.Model.Output(tooltip="The model with FP8 Linears; the input model is unchanged.")],
         )
-
-    @classmethod
-    def validate_inputs(cls, granularity, scope, layout=DEFAULT_LAYOUT):
-        return one_of(granularity=(granularity, GRANULARITIES), scope=(scope, SCOPES), layout=(layout, LAYOUTS))
 
     @classmethod
     def execute(cls, model, granularity, scope, layout=DEFAULT_LAYOUT) -> io.NodeOutput:

@@ -3,6 +3,7 @@ import math
 import comfy.utils
 from comfy_api.latest import io, ui
 
+from ..core.compile_patch import compiled_of
 from ..core.warmup import TICKS, parse_resolutions, warmup
 from . import ids
 from .events import progress_text
@@ -71,5 +72,14 @@ class Warmup(io.ComfyNode):
         bar = _Bar(len(res) * steps, cls.hidden.unique_id)
         warmed, secs = warmup(model, res, batch_size, text_length, cfg, steps, positive, negative,
                               on_step=bar.step, on_compile=bar.compiling)
-        text = "\n".join(f"{shape}: ready in {s:.1f} s" for shape, s in secs.items())
+        text = "\n".join(ready_lines(warmed, secs))
         return io.NodeOutput(warmed, ui=ui.PreviewText(text))
+
+
+def ready_lines(model, seconds: dict[str, float]) -> list[str]:
+    """Per shape: its compile time (the figure the compile's progress ended with) and the whole warm-up sampling."""
+    compiled = compiled_of(model)
+    compile_s = {k.describe(): v for k, v in compiled.stats.compile_seconds.items()} if compiled is not None else {}
+    return [f"{shape}: compiled in {compile_s[shape]:.1f} s; warm-up sampling done after {s:.1f} s" if shape in compile_s
+            else f"{shape}: warm-up sampling done after {s:.1f} s (not compiled: see the log)"
+            for shape, s in seconds.items()]

@@ -1,25 +1,58 @@
-"""Delete FluxAccel's persistent compile cache.
+"""Delete FluxAccel's persistent compile cache (compile-cache files and warm-start packages; only files that carry
+FluxAccel's headers), of the ComfyUI this plugin is installed in.
 
-    python tools/clear_cache.py                      # ComfyUI's user folder of the host in .cache/ComfyUI (or COMFYUI_DIR)
-    python tools/clear_cache.py --dir PATH           # another cache folder (e.g. ComfyUI/user/fluxaccel/compile-cache)
+    python custom_nodes/comfyui-fluxaccel/tools/clear_cache.py   # <ComfyUI>/user/fluxaccel/compile-cache
+    python tools/clear_cache.py --dir PATH                        # another folder (a fleet's shared cache, ...)
+
+The folder: --dir, else $FLUXACCEL_CACHE_DIR (what the plugin itself uses when set), else the user folder of the
+ComfyUI whose custom_nodes/ holds this plugin, else of $COMFYUI_DIR. A ComfyUI started with --user-directory keeps
+its cache under that folder instead: pass it with --dir. Outside a ComfyUI, without either, it refuses.
 """
+from __future__ import annotations
+
 import argparse
+import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.compile_cache import clear  # noqa: E402
-from tools.host import comfy_dir  # noqa: E402
+from core.compile_cache import ENV_DIR, clear  # noqa: E402
+
+PLUGIN = Path(os.path.abspath(__file__)).parents[1]  # as installed (not resolved: a linked plugin counts where linked)
 
 
-def main() -> int:
+def installed_comfyui(plugin: Path = PLUGIN) -> Path | None:
+    """The ComfyUI folder whose custom_nodes/ holds the plugin, or None."""
+    comfy = plugin.parent.parent
+    if plugin.parent.name == "custom_nodes" and (comfy / "folder_paths.py").is_file():
+        return comfy
+    return None
+
+
+def cache_dir(arg: str | None) -> tuple[Path | None, str]:
+    """(folder, where it came from), or (None, why not)."""
+    if arg:
+        return Path(arg), "--dir"
+    if os.environ.get(ENV_DIR):
+        return Path(os.environ[ENV_DIR]), f"${ENV_DIR}"
+    comfy = installed_comfyui() or (Path(os.environ["COMFYUI_DIR"]) if os.environ.get("COMFYUI_DIR") else None)
+    if comfy is None:
+        return None, (f"this plugin is not inside a ComfyUI's custom_nodes/ ({PLUGIN}) and neither --dir, "
+                      f"${ENV_DIR} nor $COMFYUI_DIR is set: pass the cache folder with --dir")
+    return comfy / "user" / "fluxaccel" / "compile-cache", f"the ComfyUI at {comfy}"
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", help="cache folder; default: <ComfyUI>/user/fluxaccel/compile-cache")
-    a = ap.parse_args()
-    d = Path(a.dir) if a.dir else comfy_dir() / "user" / "fluxaccel" / "compile-cache"
-    print(f"removed {clear(d)} cache file(s) from {d}")
+    a = ap.parse_args(argv)
+    d, where = cache_dir(a.dir)
+    if d is None:
+        print(f"clear_cache: {where}", file=sys.stderr)
+        return 2
+    print(f"removed {clear(d)} cache file(s) from {d} ({where})")
     return 0
 
 

@@ -10,7 +10,6 @@
 // Node ids mirror nodes/ids.py (tests/test_web_ids.py checks they agree).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { ComfyWidgets } from "../../scripts/widgets.js";
 
 export const FLUXACCEL_NODE_IDS = [
   "FluxAccelQuantizeFP8",
@@ -75,13 +74,20 @@ api.addEventListener("execution_error", ({ detail }) => {
 });
 
 function showReport(node, text) {
+  // a read-only text area in the node (the frontend's DOM-widget API: no internal module imported)
   let widget = node.widgets?.find((w) => w.name === "fluxaccel_report");
   if (!widget) {
-    widget = ComfyWidgets["STRING"](node, "fluxaccel_report", ["STRING", { multiline: true }], app).widget;
-    if (widget.inputEl) widget.inputEl.readOnly = true;
-    widget.serialize = false;
+    const area = document.createElement("textarea");
+    area.readOnly = true;
+    area.className = "fluxaccel-report";
+    area.style.cssText = "width:100%;height:100%;box-sizing:border-box;resize:none;font:12px/1.35 monospace;" +
+      "background:var(--comfy-input-bg,#222);color:var(--input-text,#ddd);border:1px solid var(--border-color,#555)";
+    widget = node.addDOMWidget("fluxaccel_report", "fluxaccel_report", area, {
+      serialize: false, hideOnZoom: false, getMinHeight: () => 60, getValue: () => area.value,
+      setValue: (v) => { area.value = v; },
+    });
   }
-  widget.value = text;
+  widget.element.value = text;
   node.setDirtyCanvas(true, true);
 }
 
@@ -95,7 +101,13 @@ const TABLE_CSS = `
 .fluxaccel-table th { background: var(--comfy-input-bg, #222); font-weight: 600; }
 .fluxaccel-table td:first-child, .fluxaccel-table th:first-child { text-align: left; }
 .fluxaccel-table td.best { font-weight: 700; background: rgba(46, 160, 67, 0.28); }
-.fluxaccel-table button { margin-top: 6px; font: inherit; cursor: pointer; }`;
+.fluxaccel-table button { margin-top: 6px; margin-right: 6px; font: inherit; cursor: pointer; }
+.fluxaccel-table:not(.all-columns) .more { display: none; }
+.fluxaccel-table .notes { margin: 6px 2px 0; white-space: pre-wrap; opacity: 0.85; }`;
+
+// the columns shown at the node's shipped width: config and the first KEY_COLUMNS of core/bench.py's table
+// (s/image, speedup vs its baseline, spread); "All columns" shows the rest
+const KEY_COLUMNS = 3;
 
 function tableElement(cells, markdown) {
   const root = document.createElement("div");
@@ -103,7 +115,11 @@ function tableElement(cells, markdown) {
   const table = document.createElement("table");
   if (cells.caption) table.createCaption().textContent = cells.caption;
   const head = table.createTHead().insertRow();
-  for (const c of cells.columns) head.appendChild(document.createElement("th")).textContent = c;
+  cells.columns.forEach((c, i) => {
+    const th = head.appendChild(document.createElement("th"));
+    th.textContent = c;
+    if (i > KEY_COLUMNS) th.classList.add("more");
+  });
   const body = table.createTBody();
   for (const r of cells.rows) {
     const tr = body.insertRow();
@@ -111,9 +127,17 @@ function tableElement(cells, markdown) {
     r.cells.forEach((text, i) => {
       const td = tr.insertCell();
       td.textContent = text;
-      if (r.best[i]) { td.className = "best"; td.title = "best in this column"; }
+      if (i + 1 > KEY_COLUMNS) td.classList.add("more");
+      if (r.best[i]) { td.classList.add("best"); td.title = "best in this column"; }
     });
   }
+  const more = document.createElement("button");
+  more.className = "fluxaccel-more";
+  more.textContent = "All columns";
+  more.addEventListener("click", () => {
+    const all = root.classList.toggle("all-columns");
+    more.textContent = all ? "Key columns" : "All columns";
+  });
   const copy = document.createElement("button");
   copy.textContent = "Copy as markdown";
   copy.addEventListener("click", async () => {
@@ -122,7 +146,10 @@ function tableElement(cells, markdown) {
     catch { copy.textContent = "Copy failed: select the table instead"; }
     setTimeout(() => { copy.textContent = "Copy as markdown"; }, 2000);
   });
-  root.append(table, copy);
+  const notes = document.createElement("div");
+  notes.className = "notes";
+  notes.textContent = (cells.notes || []).join("\n");
+  root.append(table, more, copy, notes);
   return root;
 }
 
@@ -138,7 +165,8 @@ function showTable(node, cells, markdown) {
     widget.element.replaceChildren(...el.childNodes);
   } else {
     // a fixed height (the table's rows): the rest of the node stays for the chart preview below it
-    const height = () => 70 + 26 * (cells.rows.length + 1);
+    const noteLines = (cells.notes || []).reduce((n, t) => n + Math.ceil(t.length / 85), 0);
+    const height = () => 110 + 26 * (cells.rows.length + 1) + 17 * noteLines;
     widget = node.addDOMWidget("fluxaccel_table", "fluxaccel_table", el, {
       serialize: false, hideOnZoom: false, getMinHeight: height, getMaxHeight: height, getHeight: height,
     });

@@ -33,12 +33,19 @@ try {
   await page.waitForTimeout(1000);
   result.templateCards = await page.locator("[role=dialog]").innerText();
   await page.screenshot({ path: `${out}/templates.png` });
-  await page.locator("[role=dialog]").getByText("fluxaccel_quickstart", { exact: true }).first().click();
+  // every card shows its picture (example_workflows/<name>.jpg, what the frontend asks for)
+  await page.waitForTimeout(1500);
+  result.cardImages = await page.evaluate(() => [...document.querySelectorAll("[role=dialog] img")]
+    .filter((img) => img.src.includes("comfyui-fluxaccel"))
+    .map((img) => ({ src: img.src.split("/").pop(), loaded: img.complete && img.naturalWidth > 0 })));
+  await page.locator("[role=dialog]").getByText("fluxaccel_quickstart_cpu", { exact: true }).first().click();
   await page.waitForFunction(() => window.app.graph._nodes.some((n) => n.type === "FluxAccelBenchmark"), null,
     { timeout: 30000 });
   await page.waitForTimeout(1000);
   result.benchmarkWidgets = await page.evaluate(() => Object.fromEntries(
     window.app.graph._nodes.find((n) => n.type === "FluxAccelBenchmark").widgets.map((w) => [w.name, w.value])));
+  result.shippedSizes = await page.evaluate(() => Object.fromEntries(
+    window.app.graph._nodes.map((n) => [n.type, [...n.size]])));
 
   // 2. the node search finds our nodes, and they sit in the FluxAccel category
   step("node search");
@@ -70,26 +77,36 @@ try {
   await page.keyboard.press("Escape");
   await page.waitForTimeout(500);
 
-  // 3. size the workflow for the tiny CPU model
-  await page.evaluate((unet) => {
-    const set = (node, name, value) => {
-      const w = node.widgets?.find((x) => x.name === name);
-      if (w) w.value = value;
-    };
-    for (const node of window.app.graph._nodes) {
-      set(node, "unet_name", unet);
-      set(node, "text_length", 16);
-      set(node, "width", 64);
-      set(node, "height", 64);
-      set(node, "resolutions", "64x64");
-      set(node, "runs", 1);
-      set(node, "steps", 1);
-      set(node, "control_after_generate", "fixed");
+  // 3. every template as loaded (the frontend may enlarge a node it finds too small): no two nodes overlap
+  step("template layouts");
+  result.overlaps = await page.evaluate(async () => {
+    const names = await (await fetch("/workflow_templates")).json();
+    const out = {};
+    for (const name of names["comfyui-fluxaccel"] || []) {
+      const data = await (await fetch(`/api/workflow_templates/comfyui-fluxaccel/${name}.json`)).json();
+      await window.app.loadGraphData(data, true, false, name);
+      await new Promise((r) => setTimeout(r, 300));
+      const title = window.LiteGraph.NODE_TITLE_HEIGHT || 30;
+      const rects = window.app.graph._nodes.map((n) => ({ id: n.id, x: n.pos[0], y: n.pos[1] - title,
+        w: n.size[0], h: n.size[1] + title }));
+      const bad = [];
+      for (let i = 0; i < rects.length; i++) for (let j = i + 1; j < rects.length; j++) {
+        const a = rects[i], b = rects[j];
+        if (a.x < b.x + b.w && b.x < a.x + a.w && a.y < b.y + b.h && b.y < a.y + a.h) bad.push([a.id, b.id]);
+      }
+      out[name] = bad;
     }
-  }, unet);
+    return out;
+  });
+  // back to the CPU quickstart, as shipped, for the run
+  await page.evaluate(async () => {
+    const data = await (await fetch("/api/workflow_templates/comfyui-fluxaccel/fluxaccel_quickstart_cpu.json")).json();
+    await window.app.loadGraphData(data, true, false, "fluxaccel_quickstart_cpu");
+  });
+  await page.waitForTimeout(800);
   result.loadedTypes = await page.evaluate(() => window.app.graph._nodes.map((n) => n.type).sort());
 
-  // 4. queue it: Quantize -> Compile -> Warmup -> Benchmark on the tiny model
+  // 4. queue it as shipped: Compile -> Warmup -> Benchmark on the tiny model
   step("queue the workflow");
   await page.evaluate(() => window.app.queuePrompt(0, 1));
   await page.waitForSelector(".fluxaccel-table table tbody tr", { timeout: 600000 });
@@ -99,7 +116,14 @@ try {
   result.table = await page.evaluate(() => {
     const t = document.querySelector(".fluxaccel-table table");
     const r = t.getBoundingClientRect();
+    const box = t.closest(".fluxaccel-table").getBoundingClientRect();
+    const ths = [...t.tHead.rows[0].cells];
     return {
+      // at the node's shipped size: the key columns lie inside the node, the others are behind "All columns"
+      shownHeadings: ths.filter((c) => getComputedStyle(c).display !== "none").map((c) => c.textContent),
+      shownInside: ths.filter((c) => getComputedStyle(c).display !== "none")
+        .every((c) => { const q = c.getBoundingClientRect(); return q.width > 0 && q.right <= box.right + 1; }),
+      notes: t.closest(".fluxaccel-table").querySelector(".notes")?.textContent ?? "",
       headings: [...t.tHead.rows[0].cells].map((c) => c.textContent),
       rows: [...t.tBodies[0].rows].map((tr) => [...tr.cells].map((c) => c.textContent)),
       best: [...t.querySelectorAll("td.best")].map((c) => c.textContent),
@@ -116,11 +140,13 @@ try {
     return ours?.text ?? null;
   });
   await page.evaluate(() => {
-    // frame the run for the screenshot (the README shows it): the whole graph, the Benchmark table readable
-    const b = window.app.graph._nodes.find((n) => n.type === "FluxAccelBenchmark");
-    b.setSize([1080, b.size[1] + 560]);
-    window.app.canvas.ds.offset = [40, 120];
-    window.app.canvas.ds.scale = 0.62;
+    // frame the whole graph at its shipped node sizes for the screenshot (the README shows it)
+    const ns = window.app.graph._nodes;
+    const x0 = Math.min(...ns.map((n) => n.pos[0])), y0 = Math.min(...ns.map((n) => n.pos[1])) - 40;
+    const x1 = Math.max(...ns.map((n) => n.pos[0] + n.size[0])), y1 = Math.max(...ns.map((n) => n.pos[1] + n.size[1]));
+    const scale = Math.min(1500 / (x1 - x0), 900 / (y1 - y0), 1);
+    window.app.canvas.ds.scale = scale;
+    window.app.canvas.ds.offset = [50 / scale - x0, 60 / scale - y0];
     window.app.graph.setDirtyCanvas(true, true);
   });
   await page.waitForTimeout(800);

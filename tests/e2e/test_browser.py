@@ -43,19 +43,29 @@ def test_editor_in_a_real_browser(server):
                   "Benchmark (FluxAccel)"):
         assert title in found, (f"{title!r} not in the node search results: {r['searchResults']}; "
                                f"open dialogs: {r.get('openDialogs')}; log: {p.stderr[-1500:]}")
-    assert "fluxaccel_quickstart" in r["templateCards"]
-    assert set(r["loadedTypes"]) >= ours | {"UNETLoader"}
+    templates = sorted(p.stem for p in (ROOT / "example_workflows").glob("*.json"))
+    assert len(templates) == 5 and all(t in r["templateCards"] for t in templates), r["templateCards"]
+    # every card shows its own picture
+    assert sorted(c["src"] for c in r["cardImages"]) == sorted(f"{t}.jpg" for t in templates), r["cardImages"]
+    assert all(c["loaded"] for c in r["cardImages"]), r["cardImages"]
+    # every template loads with no two nodes overlapping, at the sizes the frontend gives them
+    assert sorted(r["overlaps"]) == templates and not any(r["overlaps"].values()), r["overlaps"]
+    assert set(r["loadedTypes"]) >= (ours - {"FluxAccelQuantizeFP8"}) | {"UNETLoader"}
     w = r["benchmarkWidgets"]  # widget values land on the right widgets (seed's control_after_generate included)
-    assert (w["cfg"], w["sampler_name"], w["scheduler"], w["steps"]) == (1.0, "euler", "simple", 28), w
+    assert (w["cfg"], w["sampler_name"], w["scheduler"], w["steps"]) == (1.0, "euler", "simple", 2), w
     t = r["table"]  # the Benchmark's results rendered as an HTML table in the node
     assert t["visible"] and t["headings"][:5] == ["config", "s/image (median)", "speedup vs its baseline",
                                                   "spread s (runs)", "baseline s/image"], t
+    # at the shipped node size, without resizing: config and the key columns inside the node, the rest one click away
+    assert t["shownHeadings"] == ["config", "s/image (median)", "speedup vs its baseline", "spread s (runs)"], t
+    assert t["shownInside"], t
+    assert "highlighted" in t["notes"] and "spread" in t["notes"], t
     configs = [row[0] for row in t["rows"]]
-    assert len(configs) == 2 and configs[0].startswith("eager-") and "fp8-per_row-plain+compile" in configs[1], t
+    assert len(configs) == 2 and configs[0].startswith("eager-") and "+compile+regions" in configs[1], t
     assert all(len(row) == len(t["headings"]) for row in t["rows"]) and t["best"], t
     speedup = t["rows"][1][2]
     assert float(speedup.rstrip("x")) == pytest.approx(float(t["rows"][1][4]) / float(t["rows"][1][1]), abs=0.01), t
-    assert t["caption"].startswith("FLUX 64x64, 1 euler steps"), t
+    assert t["caption"].startswith("FLUX 64x64, 2 euler steps"), t
     assert r["copied"].startswith("FLUX 64x64") and f"| {configs[1]} |" in r["copied"], r["copied"]
     badge = r["badge"] or ""
     assert "64x64 b1 t16" in badge and "CUDA graphs off" in badge and f"{speedup} vs its baseline" in badge, badge

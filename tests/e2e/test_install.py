@@ -2,6 +2,7 @@
 exactly as the README says, and that ComfyUI starts with it; the metadata the registry and the Manager read is
 complete, and every node and input explains itself."""
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ OURS = {"FluxAccelQuantizeFP8", "FluxAccelCompile", "FluxAccelWarmup", "FluxAcce
 
 def _readme_install_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
-    block = re.search(r"## Installing into an existing ComfyUI\s+```bash\n(.*?)```", text, re.S).group(1)
+    block = re.search(r"## Install\s+```bash\n(.*?)```", text, re.S).group(1)
     return [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
 
 
@@ -46,7 +47,7 @@ def test_clean_clone_into_a_fresh_comfyui_starts(tmp_path):
     plugin = comfy / "custom_nodes" / "comfyui-fluxaccel"
     assert (plugin / "__init__.py").is_file() and not (plugin / ".venv").exists()
     # the README's CPU quickstart, its first command (run in the ComfyUI folder): the model its template loads
-    quick = re.search(r"\*\*Without a GPU\*\*.*?```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    quick = re.search(r"\*\*CPU\*\*.*?```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     first = quick.group(1).splitlines()[0].split("#")[0].strip()
     assert first.startswith("python custom_nodes/comfyui-fluxaccel/tools/random_model.py"), first
     p = subprocess.run(first.replace("python ", f"{sys.executable} ", 1), shell=True, cwd=comfy, capture_output=True,
@@ -54,6 +55,18 @@ def test_clean_clone_into_a_fresh_comfyui_starts(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     written = comfy / "models" / "diffusion_models" / "fluxaccel-random-e2e.safetensors"
     assert written.stat().st_size > 5e6 and "wrote" in p.stderr, p.stderr[-2000:]  # the 256-wide e2e shape, ~10 MB
+    # tools/clear_cache.py, run as installed, clears this ComfyUI's cache (not the plugin's own test host)
+    cache = comfy / "user" / "fluxaccel" / "compile-cache"
+    cache.mkdir(parents=True)
+    from core.compile_cache import MAGIC
+
+    (cache / "x.bin").write_bytes(MAGIC + b"{}\n")
+    (cache / "notes.bin").write_bytes(b"not ours")
+    env = {k: v for k, v in os.environ.items() if k not in ("FLUXACCEL_CACHE_DIR", "COMFYUI_DIR")}
+    p = subprocess.run([sys.executable, "custom_nodes/comfyui-fluxaccel/tools/clear_cache.py"], cwd=comfy, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and f"removed 1 cache file(s) from {cache}" in p.stdout, p.stdout + p.stderr
+    assert sorted(f.name for f in cache.iterdir()) == ["notes.bin"]
     quickstart = json.loads((plugin / "example_workflows" / "api" / "fluxaccel_quickstart_cpu.json").read_text())
     assert quickstart["1"]["inputs"]["unet_name"] == written.name
     with ComfyServer(comfy, tmp_path / "work", MODELS_DIR, CPU_SERVER_ARGS) as srv:

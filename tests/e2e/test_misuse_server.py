@@ -90,10 +90,10 @@ def test_malformed_api_prompt_gets_comfyui_validation_error(server, bad):
         node, field = "4", "granularity"
     elif bad == "unknown layout":
         g["4"]["inputs"]["layout"] = "packed"
-        node, field = "4", None
+        node, field = "4", "layout"
     elif bad == "unknown policy":
         g["7"]["inputs"]["resolution_policy"] = "any"
-        node, field = "7", None
+        node, field = "7", "resolution_policy"
     elif bad == "bad resolutions":
         g["8"] = {"class_type": "FluxAccelWarmup", "inputs": {"model": ["7", 0], **OUR_NODES["FluxAccelWarmup"],
                                                               "resolutions": "1024 by 1024"}}
@@ -107,13 +107,13 @@ def test_malformed_api_prompt_gets_comfyui_validation_error(server, bad):
         node, field = "7", "model"
     body = _rejected(server, g)
     errs = body["node_errors"][node]["errors"]
+    # every error lands on the input that is wrong, and only there
+    named = {e["extra_info"].get("input_name") for e in errs}
     if field:  # ComfyUI's own checks name the input
-        assert any(e["extra_info"].get("input_name") == field for e in errs), body
-    else:  # our validate_inputs: ComfyUI reports its message as a custom validation failure
-        assert errs and {e["type"] for e in errs} == {"custom_validation_failed"}, body
-        assert any("resolution_policy must be one of strict, recompile, eager_fallback; got 'any'" in e["details"]
-                   or "layout must be one of subclass, plain; got 'packed'" in e["details"]
-                   or "cannot read resolution '1024'" in e["details"] for e in errs), body
+        assert named == {field}, body
+    else:  # Warmup's validate_inputs: ComfyUI reports its message as a custom validation failure on that input
+        assert named == {"resolutions"} and {e["type"] for e in errs} == {"custom_validation_failed"}, body
+        assert any("cannot read resolution '1024'" in e["details"] for e in errs), body
     assert body["error"]["type"] == "prompt_outputs_failed_validation"
     _check_server_still_works(server)
 

@@ -28,7 +28,8 @@ def test_warmup_then_benchmark(server):
     progress = [d for k, d in events if k == "progress"]
     assert any(d["node"] == "3" and d["max"] == 2 * TICKS for d in progress), "Warmup must report progress"
     assert any(d["node"] == "4" for d in progress)
-    assert "64x64 px), 16 text tokens, float32: ready in" in hist["outputs"]["3"]["text"][0]  # CPU: bf16 weights, fp32 compute
+    warm_text = hist["outputs"]["3"]["text"][0]  # CPU: bf16 weights, fp32 compute
+    assert "64x64 px), 16 text tokens, float32: compiled in " in warm_text and "warm-up sampling done after" in warm_text
     out = hist["outputs"]["4"]
     assert out["images"][0]["filename"].endswith(".png") and out["images"][0]["type"] == "temp"
     assert "| bf16+compile+regions |" in out["text"][0]
