@@ -5,12 +5,25 @@ from .compile_patch import compiled_of, remove_compile
 from .fp8_patch import fp8_state, remove_fp8
 
 
+_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def compute_dtype(model) -> str:
+    """The dtype the diffusion model computes in, as ComfyUI set it up: its manual-cast dtype where weights are
+    stored in another (e.g. bf16 weights computed in float32 on a CPU), else the weights' dtype."""
+    bm = model.model
+    infer = getattr(bm, "get_dtype_inference", None)  # ComfyUI's own answer (0.33+)
+    dt = infer() if callable(infer) else (getattr(bm, "manual_cast_dtype", None) or bm.get_dtype())
+    name = str(dt).replace("torch.", "")
+    return _SHORT.get(name, name)
+
+
 def label(model) -> str:
-    """e.g. 'bf16', 'fp8-per_row', 'fp8-per_row+compile+graphs', 'fp8-per_row-plain+compile+graphs+regions',
-    'fp8-per_row-plain-blocks+modulation' (the scope is named when it is not the default 'blocks'). '+graphs' only
-    where CUDA graphs run: not on the CPU, not under cudaMallocAsync."""
+    """e.g. 'bf16', 'fp32' (what the model computes in), 'fp8-per_row', 'fp8-per_row+compile+graphs',
+    'fp8-per_row-plain+compile+graphs+regions', 'fp8-per_row-plain-blocks+modulation' (the scope is named when it is
+    not the default 'blocks'). '+graphs' only where CUDA graphs run: not on the CPU, not under cudaMallocAsync."""
     fp8 = fp8_state(model)
-    name = "bf16"
+    name = compute_dtype(model)
     if fp8:
         c = fp8.config
         name = f"fp8-{c.granularity}" + ("-plain" if c.layout == "plain" else "") + \

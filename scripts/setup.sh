@@ -28,6 +28,10 @@ else
 fi
 say "preparing ComfyUI $HOST (tools/host.py)"
 "$PY" tools/host.py --comfyui "$HOST" >/dev/null
+if [ -z "${FLUXACCEL_PYTHON:-}" ] && [ ! -x .cache/comfy-cli/bin/comfy ]; then
+  say "comfy-cli (the registry's own checks, tests/test_registry.py) into .cache/comfy-cli"
+  python3 -m venv .cache/comfy-cli && .cache/comfy-cli/bin/python -m pip install -q --disable-pip-version-check "comfy-cli==1.23.0" >&2
+fi
 if [ -z "${FLUXACCEL_PYTHON:-}" ] && [ -f ../shared/hosts/comfyui-0.38.1-files/comfy/model_prefetch.py ]; then
   say "comfy-aimdo 0.5.5 for the ComfyUI 0.38.1 model-compiler test (tools/comfy038.py)"
   "$PY" tools/comfy038.py >/dev/null

@@ -139,6 +139,7 @@ function tableElement(cells, markdown) {
     more.textContent = all ? "Key columns" : "All columns";
   });
   const copy = document.createElement("button");
+  copy.className = "fluxaccel-copy";
   copy.textContent = "Copy as markdown";
   copy.addEventListener("click", async () => {
     window.__fluxaccel.copied.push(markdown);

@@ -35,8 +35,8 @@ try {
   await page.screenshot({ path: `${out}/templates.png` });
   // every card shows its picture (example_workflows/<name>.jpg, what the frontend asks for)
   await page.waitForTimeout(1500);
-  result.cardImages = await page.evaluate(() => [...document.querySelectorAll("[role=dialog] img")]
-    .filter((img) => img.src.includes("comfyui-fluxaccel"))
+  result.cardImages = await page.evaluate(() => [...document.querySelectorAll("img")]
+    .filter((img) => img.src.includes("fluxaccel") && img.src.includes(".jpg"))
     .map((img) => ({ src: img.src.split("/").pop(), loaded: img.complete && img.naturalWidth > 0 })));
   await page.locator("[role=dialog]").getByText("fluxaccel_quickstart_cpu", { exact: true }).first().click();
   await page.waitForFunction(() => window.app.graph._nodes.some((n) => n.type === "FluxAccelBenchmark"), null,
@@ -59,6 +59,12 @@ try {
   const searchInput = page.locator(
     ".comfy-vue-node-search-container input, [role=dialog]:has(#results-list) input, input[aria-controls=results-list]",
   ).first();
+  // an empty part of the canvas under the click: the view moved away from the loaded nodes (restored below)
+  await page.evaluate(() => {
+    window.__fluxaccelView = [...window.app.canvas.ds.offset];
+    window.app.canvas.ds.offset = [-20000, -20000];
+    window.app.graph.setDirtyCanvas(true, true);
+  });
   for (let attempt = 1; attempt <= 4 && !(await searchInput.isVisible()); attempt++) {
     await page.keyboard.press("Escape");
     await page.locator("#graph-canvas").dblclick({ position: { x: 1100, y: 600 } });
@@ -75,6 +81,7 @@ try {
   result.openDialogs = await page.locator("[role=dialog]:visible").allInnerTexts();
   await page.screenshot({ path: `${out}/node-search.png` });
   await page.keyboard.press("Escape");
+  await page.evaluate(() => { window.app.canvas.ds.offset = window.__fluxaccelView; });
   await page.waitForTimeout(500);
 
   // 3. every template as loaded (the frontend may enlarge a node it finds too small): no two nodes overlap
@@ -131,7 +138,7 @@ try {
       visible: r.width > 100 && r.height > 40,
     };
   });
-  await page.click(".fluxaccel-table button");
+  await page.click(".fluxaccel-table button.fluxaccel-copy");
   result.copied = await page.evaluate(() => window.__fluxaccel.copied.at(-1) ?? "");
   // the text as the frontend draws it: our entry among the Compile node's node badges
   result.badge = await page.evaluate(() => {
@@ -144,9 +151,9 @@ try {
     const ns = window.app.graph._nodes;
     const x0 = Math.min(...ns.map((n) => n.pos[0])), y0 = Math.min(...ns.map((n) => n.pos[1])) - 40;
     const x1 = Math.max(...ns.map((n) => n.pos[0] + n.size[0])), y1 = Math.max(...ns.map((n) => n.pos[1] + n.size[1]));
-    const scale = Math.min(1500 / (x1 - x0), 900 / (y1 - y0), 1);
+    const scale = Math.min(1440 / (x1 - x0), 900 / (y1 - y0), 1);
     window.app.canvas.ds.scale = scale;
-    window.app.canvas.ds.offset = [50 / scale - x0, 60 / scale - y0];
+    window.app.canvas.ds.offset = [110 / scale - x0, 70 / scale - y0];
     window.app.graph.setDirtyCanvas(true, true);
   });
   await page.waitForTimeout(800);

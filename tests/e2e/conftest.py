@@ -10,6 +10,7 @@ from tools.host import CPU_SERVER_ARGS
 
 MODELS_DIR = ROOT / ".cache" / "models"
 E2E_UNET = "fluxaccel-random-e2e.safetensors"
+E2E_3072_UNET = "fluxaccel-random-e2e-3072.safetensors"  # FLUX.1's own width: where memory per clone must show
 
 
 @pytest.fixture(scope="session")
@@ -30,10 +31,18 @@ def server(e2e_model_file):
     srv.stop()
 
 
-def flux_inputs(size=64, text_length=16, latent_node="EmptySD3LatentImage", weight_dtype="default") -> dict:
+@pytest.fixture(scope="session")
+def e2e_3072_model_file():
+    from core.test_models import write_flux_file
+
+    return write_flux_file(MODELS_DIR / "diffusion_models" / E2E_3072_UNET, "e2e-3072")
+
+
+def flux_inputs(size=64, text_length=16, latent_node="EmptySD3LatentImage", weight_dtype="default",
+                unet=E2E_UNET) -> dict:
     """Nodes 1-3 of the test prompts: the e2e FLUX file, synthetic conditioning, an empty latent."""
     return {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": E2E_UNET, "weight_dtype": weight_dtype}},
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": weight_dtype}},
         "2": {"class_type": "FluxAccelSyntheticConditioning",
               "inputs": {"model": ["1", 0], "text_length": text_length, "guidance": 3.5, "seed": 0}},
         "3": {"class_type": latent_node, "inputs": {"width": size, "height": size, "batch_size": 1}},

@@ -35,6 +35,7 @@ def test_editor_in_a_real_browser(server):
     line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert line, f"rc {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     r = json.loads(line[len("RESULT "):])
+    (ARTIFACTS / "result.json").write_text(json.dumps(r, indent=1))  # what the page showed, for a failing run
     assert "error" not in r, r.get("error", "") + "\n" + p.stderr[-2000:]
     ours = {"FluxAccelQuantizeFP8", "FluxAccelCompile", "FluxAccelWarmup", "FluxAccelBenchmark"}
     assert {k for k, cat in r["categories"].items() if cat == "FluxAccel"} >= ours

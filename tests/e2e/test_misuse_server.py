@@ -10,7 +10,7 @@ import torch
 
 from tools.comfy_server import PromptFailed, PromptRejected
 
-from .conftest import MODELS_DIR, flux_inputs, sample_and_save, saved_latent
+from .conftest import E2E_3072_UNET, MODELS_DIR, flux_inputs, sample_and_save, saved_latent
 
 pytestmark = pytest.mark.e2e
 
@@ -142,16 +142,17 @@ def test_web_folder_is_the_only_http_surface_and_it_stays_inside(server):
     assert _status(server, "/fluxaccel/cache")[0] == 404
 
 
-def test_many_prompts_host_memory_stays_flat(server):
+def test_many_prompts_host_memory_stays_flat(server, e2e_3072_model_file):
     """10 consecutive FP8 prompts, a new seed each (so each one samples) and Quantize FP8 rebuilt every prompt (its
     granularity alternates, so ComfyUI replaces the previous FP8 clone): after the first three, resident memory grows
-    by less than 1 % of it per prompt (least-squares slope) and by less than 5 % in all. One FP8 clone kept per
-    prompt would add ~0.3 GiB (~7 %) each time; single readings move by ~1-2 % with the allocator, which a slope
-    over seven prompts averages out (a last-minus-first difference of two readings did not: CI failed at 2.4 %).
-    (CPU CI: 10 prompts; the H200 run of tools/reliability.py does 50.)"""
+    by less than 3 % of it per prompt (least-squares slope) and by less than 15 % in all. One FP8 clone kept per
+    prompt would add ~0.3 GiB (~9 %) each time, 60 % over the seven prompts; the allocator's own growth while it
+    settles reached 1.3 %/prompt and 8 % in all (a two-worker run next to other servers).
+    (CPU CI: 10 prompts; the H200 run of tools/reliability.py does 50.) On the 3072-wide file: a clone of the narrow
+    one would be lost in the allocator's noise."""
     rss = []
     for i in range(10):
-        g = flux_inputs()
+        g = flux_inputs(unet=E2E_3072_UNET)
         g["4"] = {"class_type": "FluxAccelQuantizeFP8", "inputs": {"model": ["1", 0], "scope": "blocks",
                                                                    "granularity": ("per_row", "per_tensor")[i % 2]}}
         g.update(sample_and_save("4", seed=1000 + i, steps=1, tag=f"soak{i}"))
@@ -162,5 +163,5 @@ def test_many_prompts_host_memory_stays_flat(server):
     n, mean_x, mean_y = len(tail), (len(tail) - 1) / 2, sum(tail) / len(tail)
     slope = sum((i - mean_x) * (v - mean_y) for i, v in enumerate(tail)) / sum((i - mean_x) ** 2 for i in range(n))
     msg = f"RSS (MiB) per prompt: {[round(v) for v in rss]}; slope after prompt 3: {slope:.1f} MiB/prompt"
-    assert slope < 0.01 * rss[3], msg
-    assert max(tail) < 1.05 * min(tail), msg
+    assert slope < 0.03 * rss[3], msg
+    assert max(tail) < 1.15 * min(tail), msg

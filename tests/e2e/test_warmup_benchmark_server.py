@@ -32,10 +32,10 @@ def test_warmup_then_benchmark(server):
     assert "64x64 px), 16 text tokens, float32: compiled in " in warm_text and "warm-up sampling done after" in warm_text
     out = hist["outputs"]["4"]
     assert out["images"][0]["filename"].endswith(".png") and out["images"][0]["type"] == "temp"
-    assert "| bf16+compile+regions |" in out["text"][0]
+    assert "| fp32+compile+regions |" in out["text"][0]  # rows say the dtype computed: float32 on the CPU
     res = json.loads((server.output_dir / out["fluxaccel_json"][0]).read_text(), parse_constant=_no_constants)
     base, accel = res["results"]
-    assert base["config"] == "eager-bf16" and accel["config"] == "bf16+compile+regions"
+    assert base["config"] == "eager-fp32" and accel["config"] == "fp32+compile+regions"
     for r in (base, accel):
         assert len(r["runs"]) == 2 and all(math.isfinite(x) and x > 0 for x in r["runs"])
         assert len(r["step_times"]) == 2 and len(r["denoiser_rel_err_per_sigma"]) == 3
