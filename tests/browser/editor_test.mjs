@@ -146,6 +146,10 @@ try {
     const ours = (n?.badges || []).map((b) => (typeof b === "function" ? b() : b)).find((b) => b?.fluxaccel);
     return ours?.text ?? null;
   });
+  // the minimap would cover the Benchmark's chart in the screenshot (a user's setting, off here only)
+  await page.evaluate(async () => {
+    try { await window.app.extensionManager?.setting?.set("Comfy.Minimap.Visible", false); } catch {}
+  });
   await page.evaluate(() => {
     // frame the whole graph at its shipped node sizes for the screenshot (the README shows it)
     const ns = window.app.graph._nodes;
