@@ -2,7 +2,7 @@
 
     python bench/probes/cpu_quickstart_flags.py --out .cache/bench-results
 
-For each flag set: a new ComfyUI server (empty compile cache, as a new user's), the shipped CPU quickstart API
+For each flag set: a new ComfyUI server (empty FluxAccel and inductor caches, as a new user's), the shipped CPU quickstart API
 workflow, its prompt time from ComfyUI's own timestamps (execution_start -> execution_success), the Benchmark's rows
 (labels say the dtype computed) and its speedup. Writes cpu-quickstart-flags.json.
 """
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     rows = []
     for flags in FLAG_SETS:
         with tempfile.TemporaryDirectory() as work:
-            env = {"FLUXACCEL_CACHE_DIR": str(Path(work) / "cache")}
+            env = {"FLUXACCEL_CACHE_DIR": str(Path(work) / "cache"), "TORCHINDUCTOR_CACHE_DIR": str(Path(work) / "inductor")}
             with ComfyServer(comfy, Path(work), models, flags, env=env) as srv:
                 hist = srv.run(prompt)
                 bench = json.loads((srv.output_dir / hist["outputs"]["5"]["fluxaccel_json"][0]).read_text())
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": "python bench/probes/cpu_quickstart_flags.py " + " ".join(argv or sys.argv[1:]),
               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-              "comfyui": host.comfy_version(comfy), "start": "a new server per flag set, empty compile cache",
+              "comfyui": host.comfy_version(comfy), "start": "a new server per flag set, empty FluxAccel and inductor caches (a new user)",
               "rows": rows}
     from core.results import dumps
 
