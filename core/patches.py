@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .compile_patch import compiled_of, remove_compile
 from .fp8_patch import fp8_state, remove_fp8
+from .upstream import degradations
 
 
 _SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -60,7 +61,11 @@ def describe(model) -> dict:
                           "graphs_off_reason": st.graphs_off_reason,
                           "graph_rerecords": st.rerecords(),
                           "graphs_lost": {k.describe(): v for k, v in st.graphs_lost.items()},
+                          "model_compiler_paused_calls": st.model_compiler_paused,
+                          "model_compiler_unknown_calls": st.model_compiler_unknown,
                           **st.call_timings()}
+    # upstream internals this process could not find, and what FluxAccel does instead (core/upstream)
+    out["degradations"] = degradations()
     return out
 
 

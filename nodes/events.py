@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from ..core.upstream import degradations
+
 log = logging.getLogger("fluxaccel.events")
 
 COMPILED = "fluxaccel.compiled"
@@ -20,6 +22,8 @@ def compiled_state(compiled) -> dict:
         "graphs_lost": "; ".join(f"{k.describe()}: {v}" for k, v in st.graphs_lost.items()),
         "graphs_off": "cudaMallocAsync: start ComfyUI with --disable-cuda-malloc" if st.graphs_off_reason else "",
         "compile_seconds": [round(v, 1) for v in st.compile_seconds.values()],
+        # upstream internals not found in this process (core/upstream): the badge says how many, the log what
+        "degraded": len(degradations()),
     }
 
 

@@ -32,6 +32,7 @@ function badgeText(b) {
       : b.graphsLost ? "CUDA graphs lost (re-record limit)" : "CUDA graphs off");
   }
   if (b.speedup) parts.push(`${b.speedup} vs its baseline`); // the Benchmark table's own cell: one rounding
+  if (b.degraded) parts.push(`${b.degraded} ComfyUI/torch/torchao internal${b.degraded > 1 ? "s" : ""} missing (see log)`);
   return parts.join(" | ");
 }
 
@@ -61,7 +62,8 @@ function toast(summary, detail) {
 }
 
 function compiledPatch(state) {
-  return { shapes: state.short, graphs: state.graphs, graphsOff: state.graphs_off, graphsLost: state.graphs_lost };
+  return { shapes: state.short, graphs: state.graphs, graphsOff: state.graphs_off, graphsLost: state.graphs_lost,
+           degraded: state.degraded };
 }
 
 api.addEventListener("fluxaccel.compiled", ({ detail }) => {

@@ -59,6 +59,8 @@ with torch.inference_mode():
                      pos, pos)
     del prefetch.MALLOC_GRAPHS[threading.get_ident()]
     st = compiled_of(warmed).stats
+    from core.patches import describe
+    out["described"] = describe(warmed)["compile"]["model_compiler_paused_calls"]
     out.update(warmed=len(secs), rows=[(r.config, r.denoiser_rel_err) for r in rows], calls=st.calls,
                paused=st.model_compiler_paused, unknown=st.model_compiler_unknown, events=rec.events)
     # a block that core captured a per-block CUDA graph for (0.38's marker) is refused for our compile
@@ -87,4 +89,5 @@ def test_quantize_compile_warmup_benchmark_under_the_comfy_model_compiler_of_0_3
     # every compiled call ran with the recording paused, and only those
     assert out["calls"] >= 3 and out["paused"] == out["calls"] and out["unknown"] == 0
     assert out["events"] == ["pause", "resume"] * out["calls"]
+    assert out["described"] == out["paused"]  # in the Benchmark JSON's description of the model
     assert "per-block CUDA graph on diffusion_model.single_blocks.0" in out["refused"]

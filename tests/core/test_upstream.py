@@ -84,6 +84,11 @@ def test_compiled_model_runs_with_comfy_internals_missing(monkeypatch, tiny_flux
     assert (out - ref).norm() / ref.norm() < 2e-2
     assert compiled.stats.model_compiler_unknown == compiled.stats.calls >= 1 and events == []
     assert said(caplog, "pause_malloc_graph", "--disable-comfy-compiler")
+    from core.patches import describe
+
+    shown = describe(clone)
+    assert shown["compile"]["model_compiler_unknown_calls"] == compiled.stats.calls
+    assert any("pause_malloc_graph" in d and "--disable-comfy-compiler" in d for d in shown["degradations"])
     if comfy_internals.flux_plain_rope1() is not None:  # ComfyUI with kitchen RoPE (0.33+)
         assert said(caplog, "_apply_rope1", "comfy-kitchen's RoPE op")
 
