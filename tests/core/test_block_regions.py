@@ -101,7 +101,7 @@ def test_regions_compile_once_per_shape_and_leave_the_model_alone(fresh_dynamo):
     assert torch.equal(_sample(base, seed=1), ref), "the input model must still run the original code"
     from core.patches import describe, label
 
-    assert label(model) == "bf16+compile+regions"
+    assert label(model) == "fp32+compile+regions"  # the dtype it computes in (a float32 model here)
     info = describe(model)["compile"]
     assert info["block_regions"] is True
     (phases,) = info["compile_phases_s"].values()  # one shape compiled: where its compile time went
