@@ -1,6 +1,6 @@
 """Every private name of an upstream that FluxAccel reaches, one adapter module per upstream:
 
-  comfy_internals  -- ComfyUI: the Comfy model compiler / per-block CUDA graphs (comfy/model_prefetch.py), FLUX's
+  comfy_internals  -- ComfyUI: the Comfy model compiler and core's per-block CUDA graphs, FLUX's
                       plain RoPE and attention choice, checkpoint-quantized weights, its compile wrapper, versions
   torch_internals  -- torch's dynamo and inductor: compile counters and timers, cudagraph trees, config patches,
                       the cache-artifact manager, AOT-compiled functions
