@@ -14,11 +14,6 @@ import contextlib
 from .upstream import comfy_internals, say
 
 
-def kitchen_rope() -> bool:
-    """True where FLUX's RoPE goes through comfy-kitchen and its plain formula is there to replace it."""
-    return callable(comfy_internals.flux_plain_rope1())
-
-
 _rope1 = None  # the host's plain formula, found by torch_rope (a module-level function: dynamo guards its identity)
 
 

@@ -17,6 +17,7 @@ import datetime as dt
 import json
 import logging
 import shlex
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -275,8 +276,6 @@ def main(argv=None) -> int:
                 bar.close()
         finally:
             server.stop()
-            import shutil
-
             if Path(server.log_path).is_file():  # kept with the run's results
                 shutil.copy(server.log_path, run_stem.with_suffix(".log"))
             if a.log:

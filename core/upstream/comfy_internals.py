@@ -64,9 +64,9 @@ def core_graph_modules(dm: torch.nn.Module) -> list[str]:
 
 
 # -- the Comfy model compiler (malloc graph) ----------------------------------------------------------------------
-def model_compiler_present() -> bool:
+def model_compiler_present(prefetch=None) -> bool:
     """Whether this ComfyUI has the Comfy model compiler at all (0.34+: comfy.model_prefetch.malloc_graph_*)."""
-    prefetch = _prefetch()
+    prefetch = prefetch or _prefetch()
     return prefetch is not None and any(hasattr(prefetch, n) for n in
                                         ("malloc_graph_begin", "malloc_graph_enabled", "MALLOC_GRAPHS"))
 
@@ -74,7 +74,7 @@ def model_compiler_present() -> bool:
 def model_compiler_recording() -> bool | Unavailable:
     """Whether the Comfy model compiler is recording a memory plan on this thread now."""
     prefetch = _prefetch()
-    if prefetch is None or not model_compiler_present():
+    if not model_compiler_present(prefetch):
         return False
     graphs = getattr(prefetch, "MALLOC_GRAPHS", None)
     if not isinstance(graphs, dict):
@@ -99,12 +99,9 @@ def outside_model_compiler():
     if not callable(pause):
         yield _missing("comfy.model_prefetch.pause_malloc_graph", "added in 0.38")
         return
-    if not recording:  # cannot tell whether it records: pausing is harmless when it does not (it checks itself)
-        with pause(sync=False):
-            yield recording
-        return
+    # recording is True, or an Unavailable (cannot tell): pausing is harmless when it does not record (it checks itself)
     with pause(sync=False):
-        yield True
+        yield recording
 
 
 # -- FLUX's RoPE and checkpoint-quantized weights -------------------------------------------------------------------

@@ -67,13 +67,14 @@ def dynamo_config_value(name: str, default=None):
 def recompile_budget(limit: int):
     """Context: dynamo's recompile limits raised to at least `limit` for the body (they count per code object, and
     every FluxAccel model compiles the same Flux.forward)."""
+    cfg = _attr("torch._dynamo.config")
     names = ("recompile_limit", "accumulated_recompile_limit")
-    have = {k: max(int(dynamo_config_value(k, 0) or 0), limit) for k in names
-            if dynamo_config_value(k) is not None}
+    have = {} if isinstance(cfg, Unavailable) else {k: max(getattr(cfg, k), limit) for k in names if hasattr(cfg, k)}
     if not have:
         say(_missing("torch._dynamo.config.recompile_limit"),
             "dynamo's default recompile budget applies: past it a new shape runs uncompiled")
-    return dynamo_config_patch(**have)
+        return contextlib.nullcontext()
+    return cfg.patch(**have)
 
 
 def inductor_config_patch(options: dict | None):
