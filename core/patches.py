@@ -1,8 +1,8 @@
 """What FluxAccel has applied to a ModelPatcher: a label, a description, and the model without it."""
 from __future__ import annotations
 
-from .compile_patch import compiled_of, remove_compile
-from .fp8_patch import fp8_state, remove_fp8
+from .compile.patch import compiled_of, remove_compile
+from .quant.patch import fp8_state, remove_fp8
 from .upstream import degradations
 
 

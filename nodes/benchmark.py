@@ -9,13 +9,14 @@ import folder_paths
 import torch
 from comfy_api.latest import io, ui
 
-from ..core import chart, env, results
-from ..core.bench import LEGEND, BenchCase, benchmark, markdown_table, rows_to_dicts, table_cells
-from ..core.bench import notes as bench_notes
-from ..core.compile_patch import compiled_of
-from ..core.flux import require_flux
+from ..core import env
+from ..core.bench import chart, results
+from ..core.bench.benchmark import LEGEND, BenchCase, benchmark, markdown_table, rows_to_dicts, table_cells
+from ..core.bench.benchmark import notes as bench_notes
+from ..core.compile.patch import compiled_of
+from ..core.models.flux import require_flux
 from ..core import patches
-from ..core.test_models import synthetic_conditioning_for
+from ..core.models.synthetic import synthetic_conditioning_for
 from . import ids
 from .events import compiled_state
 

@@ -1,8 +1,8 @@
 from comfy_api.latest import io, ui
 
-from ..core import compile_cache
-from ..core.compile import MODES, POLICIES, CompileConfig
-from ..core.compile_patch import apply_compile
+from ..core.compile import kernel_cache as compile_cache
+from ..core.compile.config import MODES, POLICIES, CompileConfig
+from ..core.compile.patch import apply_compile
 from . import ids
 from .events import compiled_notifier, progress_text
 

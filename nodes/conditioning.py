@@ -1,7 +1,7 @@
 from comfy_api.latest import io
 
-from ..core.flux import require_flux
-from ..core.test_models import synthetic_conditioning_for
+from ..core.models.flux import require_flux
+from ..core.models.synthetic import synthetic_conditioning_for
 from . import ids
 
 

@@ -1,7 +1,7 @@
 from comfy_api.latest import io, ui
 
-from ..core.fp8 import DEFAULT_LAYOUT, GRANULARITIES, LAYOUTS, SCOPES, Fp8Config
-from ..core.fp8_patch import apply_fp8
+from ..core.quant.fp8 import DEFAULT_LAYOUT, GRANULARITIES, LAYOUTS, SCOPES, Fp8Config
+from ..core.quant.patch import apply_fp8
 from . import ids
 
 

@@ -3,8 +3,8 @@ import math
 import comfy.utils
 from comfy_api.latest import io, ui
 
-from ..core.compile_patch import compiled_of
-from ..core.warmup import TICKS, parse_resolutions, warmup
+from ..core.compile.patch import compiled_of
+from ..core.compile.warmup import TICKS, parse_resolutions, warmup
 from . import ids
 from .events import progress_text
 from .validation import parses

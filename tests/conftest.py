@@ -15,6 +15,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # support: the tests' shared helpers
+from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
+register()
 
 from tools import host  # noqa: E402
 
@@ -52,7 +55,7 @@ def cpu_fp8(monkeypatch):
 @pytest.fixture
 def tiny_flux():
     """A fresh tiny random-weight FLUX ModelPatcher (hidden 256, 2 double + 2 single blocks), bf16, CPU."""
-    from core.test_models import build_flux
+    from support.models import build_flux
 
     return build_flux("tiny", seed=0)
 

@@ -24,17 +24,21 @@ SCRIPT = textwrap.dedent(r"""
     print("NODES", ours)
     print("WEB", nodes.EXTENSION_WEB_DIRS)
     print("TORCHAO_LOADED", "torchao" in sys.modules)
-    from core.test_models import build_flux
+    import importlib
+    from support.shapes import TINY
+    # the plugin as ComfyUI loaded it (its folder's name), not a second copy
+    build_flux = importlib.import_module("comfyui-fluxaccel.core.models.synthetic").build_flux
     if not BLOCK:
         from tools.cpu_fp8 import lift_torchao_gate
         lift_torchao_gate()  # CPU FP8 for this test process (the plugin itself never lifts torchao's gate)
     cls = nodes.NODE_CLASS_MAPPINGS["FluxAccelQuantizeFP8"]
     try:
         with torch.inference_mode():
-            cls.execute(build_flux("tiny"), granularity="per_row", scope="blocks")
+            cls.execute(build_flux(TINY), granularity="per_row", scope="blocks")
         print("EXEC ok")
     except Exception as e:
         print("EXEC", type(e).__name__, e)
+    print("COPIES", sorted(k for k in sys.modules if k.split(".")[0] in ("core", "fluxaccel")))
 """)
 
 
@@ -56,6 +60,7 @@ def test_loads_as_comfyui_custom_node():
     assert "comfyui-fluxaccel" in out and "/web" in out.split("WEB", 1)[1].splitlines()[0]
     assert "TORCHAO_LOADED False" in out, "importing the plugin must not import torchao"
     assert "EXEC ok" in out
+    assert "COPIES []" in out, "the plugin must be loaded once, under ComfyUI's name for it"
 
 
 def test_without_torchao_nodes_load_and_explain_on_use():

@@ -24,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
+register()
 
 from tools import host  # noqa: E402
 from tools.comfy_server import ComfyServer  # noqa: E402
@@ -180,7 +182,7 @@ def main(argv=None) -> int:
             link.symlink_to(src)
         weights = f"checkpoint {src}"
     else:
-        from core.test_models import write_flux_file
+        from fluxaccel.core.models.synthetic import write_flux_file
 
         unet_name = f"fluxaccel-random-{case['shape']}.safetensors"
         what = ("timings and memory match the real model, images do not" if case["shape"] in ("dev", "schnell") else
@@ -231,7 +233,7 @@ def main(argv=None) -> int:
             "complete": complete,
             "results": rows,
         }
-        from core.results import dumps
+        from fluxaccel.core.bench.results import dumps
 
         for target in (path, run_stem.with_suffix(".json")):
             target.write_text(dumps(result))
@@ -285,7 +287,7 @@ def main(argv=None) -> int:
     rows = write(complete=True)
     print()
     print(f"FluxAccel benchmark, case {case_name} on {gpu or 'CPU'} ({weights}):")
-    from core.bench import markdown_rows
+    from fluxaccel.core.bench.benchmark import markdown_rows
 
     print(markdown_rows(rows))
     print(f"\nwrote {path} and, for this run, {run_stem.name}.json, .log"

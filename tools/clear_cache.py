@@ -17,8 +17,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
+register()
 
-from core.compile_cache import ENV_DIR, clear  # noqa: E402
+from fluxaccel.core.compile.kernel_cache import ENV_DIR, clear  # noqa: E402
 
 PLUGIN = Path(os.path.abspath(__file__)).parents[1]  # as installed (not resolved: a linked plugin counts where linked)
 

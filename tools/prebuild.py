@@ -22,8 +22,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
+register()
 
-from core.warm_start import SUFFIX  # noqa: E402
+from fluxaccel.core.compile.warm_start import SUFFIX  # noqa: E402
 from tools.comfy_server import ComfyServer  # noqa: E402
 
 log = logging.getLogger("fluxaccel.prebuild")

@@ -17,6 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
+register()
 
 log = logging.getLogger("fluxaccel.random_model")
 
@@ -33,7 +35,7 @@ def main() -> int:
     from tools import host
 
     host.import_comfy(a.comfyui.resolve())
-    from core.test_models import write_flux_file
+    from fluxaccel.core.models.synthetic import write_flux_file
 
     path = a.comfyui / "models" / "diffusion_models" / f"fluxaccel-random-{a.shape}.safetensors"
     existed = path.exists()

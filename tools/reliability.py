@@ -29,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
+register()
 
 from tools import host  # noqa: E402
 from tools.comfy_server import ComfyServer, PromptFailed  # noqa: E402
@@ -103,11 +105,12 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     size, text_length, steps = (512, 256, 4) if gpu else (64, 16, 1)
     comfy_dir = host.import_comfy(host.ensure_host())
-    from core.test_models import write_flux_file
+    from fluxaccel.core.models.synthetic import write_flux_file
 
     models = Path(a.models_dir)
     flux_file = write_flux_file(models / "diffusion_models" / UNET, "e2e", device="cuda" if gpu else "cpu")
-    from core.test_models import write_lora_file, write_scaled_fp8_file
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support.models import write_lora_file, write_scaled_fp8_file
 
     write_lora_file(models / "loras" / LORA, flux_file)
     write_scaled_fp8_file(models / "diffusion_models" / SCALED_UNET, flux_file)
@@ -216,7 +219,7 @@ def main(argv=None) -> int:
                                 "passed": bool(g_rss < 0.02 and (g_vram is None or g_vram < 0.02))}
         finally:
             srv.stop()
-    from core.env import describe
+    from fluxaccel.core.env import describe
 
     result = {"gpu": gpu or "cpu", "env": describe(), "settings": {"size": size, "text_length": text_length,
                                                                    "steps": steps, "server_args": args},
@@ -226,7 +229,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     device = 'h200' if gpu and 'H200' in gpu else (gpu or 'cpu').lower().replace(' ', '-')
     path = out / f"reliability-{device}-{result['env']['comfyui']}.json"
-    from core.results import dumps
+    from fluxaccel.core.bench.results import dumps
 
     path.write_text(dumps(result))
     for name, c in cases.items():

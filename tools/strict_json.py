@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
+register()
 
-from core.results import dumps  # noqa: E402
+from fluxaccel.core.bench.results import dumps  # noqa: E402
 
 
 def main(paths: list[str]) -> int:

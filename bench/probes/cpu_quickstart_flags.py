@@ -17,6 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
+register()
 
 from tools import host  # noqa: E402
 from tools.comfy_server import ComfyServer  # noqa: E402
@@ -34,7 +36,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / ".cache" / "bench-results"))
     a = ap.parse_args(argv)
-    from core.test_models import write_flux_file
+    from fluxaccel.core.models.synthetic import write_flux_file
 
     comfy = host.import_comfy(host.ensure_host())
     models = ROOT / ".cache" / "models"
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "comfyui": host.comfy_version(comfy), "start": "a new server per flag set, empty FluxAccel and inductor caches (a new user)",
               "rows": rows}
-    from core.results import dumps
+    from fluxaccel.core.bench.results import dumps
 
     (out / "cpu-quickstart-flags.json").write_text(dumps(result))
     return 0

@@ -20,6 +20,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
+register()
 T0 = time.time()
 BUDGET_S = float(os.environ.get("PROBE_BUDGET_S", "480"))
 RESULTS: list[dict] = []
@@ -133,7 +135,7 @@ def build_blocks():
 def fp8_copy(block, granularity, layout="subclass"):
     import copy
 
-    from core.fp8 import Fp8Config, quantize_linear
+    from fluxaccel.core.quant.fp8 import Fp8Config, quantize_linear
 
     cfg = Fp8Config(granularity=granularity, layout=layout)
     new = copy.deepcopy(block)
@@ -260,7 +262,7 @@ class _Opts(torch.nn.Module):
 
 
 def host_diff(dbl, sgl, inputs, base, ref):
-    from core.attention import OVERRIDE_KEY, sdpa_cudnn_first
+    from fluxaccel.core.compile.attention import OVERRIDE_KEY, sdpa_cudnn_first
 
     d, s_ = fp8_copy(dbl, "per_row", "plain"), fp8_copy(sgl, "per_row", "plain")
     for name, options, torch_rope in (("host attention", {}, False),

@@ -72,18 +72,21 @@ def child(variant: str) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
+    from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
+    register()
     from tools import host
 
     host.import_comfy(Path(os.environ["COMFYUI_DIR"]))
     import comfy.model_management as mm
     from torch._dynamo.utils import counters
 
-    import core.compile as cc
-    from core.compile import CompileConfig
-    from core.compile_patch import apply_compile
-    from core.fp8 import Fp8Config
-    from core.fp8_patch import apply_fp8
-    from core.test_models import build_flux, synthetic_conditioning_for
+    import fluxaccel.core.compile.compiled as cc
+    from fluxaccel.core.compile.config import CompileConfig
+    from fluxaccel.core.compile.patch import apply_compile
+    from fluxaccel.core.quant.fp8 import Fp8Config
+    from fluxaccel.core.quant.patch import apply_fp8
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support.models import build_flux, synthetic_conditioning_for
 
     extra = VARIANTS[variant]
     orig = cc.CompileConfig.inductor_options
@@ -94,8 +97,8 @@ def child(variant: str) -> dict:
         q, _ = apply_fp8(model, Fp8Config(granularity="per_row", scope="blocks+modulation", layout="plain"))
         clone, c = apply_compile(q, CompileConfig(persistent_cache=False, block_regions=False))
         out["graphs_off_reason"] = c.stats.graphs_off_reason
-        cap = Capture(c._compiled, sync_inside=variant == "forced-failure")
-        object.__setattr__(c, "_compiled", cap)
+        cap = Capture(c.runner.compiled, sync_inside=variant == "forced-failure")
+        c.runner.compiled = cap
         mm.load_models_gpu([clone])
         g = torch.Generator(device="cuda").manual_seed(3)
         x = torch.randn(1, 16, 128, 128, generator=g, device="cuda", dtype=torch.bfloat16)

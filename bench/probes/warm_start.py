@@ -30,18 +30,22 @@ def child(role: str, calls: int, size: int, out_file: str, device: str) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
+    from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
+    register()
     from tools import host
 
     host.import_comfy(Path(os.environ["COMFYUI_DIR"]) if os.environ.get("COMFYUI_DIR") else None)
     from torch._dynamo.utils import counters
 
-    from core.bench import BenchCase, denoiser_outputs
-    from core.compile import CompileConfig, graph_recordings
-    from core.compile_patch import apply_compile
-    from core.fp8 import Fp8Config
-    from core.fp8_patch import apply_fp8
-    from core.patches import describe, label
-    from core.test_models import build_flux, synthetic_conditioning_for
+    from fluxaccel.core.bench.benchmark import BenchCase, denoiser_outputs
+    from fluxaccel.core.compile.config import CompileConfig
+    from fluxaccel.core.compile.telemetry import graph_recordings
+    from fluxaccel.core.compile.patch import apply_compile
+    from fluxaccel.core.quant.fp8 import Fp8Config
+    from fluxaccel.core.quant.patch import apply_fp8
+    from fluxaccel.core.patches import describe, label
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support.models import build_flux, synthetic_conditioning_for
 
     dev = torch.device(device)
     case = BenchCase(width=size, height=size)
@@ -77,6 +81,8 @@ def main() -> int:
     if a.role:
         if a.device == "cpu":
             sys.path.insert(0, str(ROOT))
+            from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
+            register()
             from tools.cpu_fp8 import lift_torchao_gate
 
             lift_torchao_gate()  # a tool run: torchao's GPU gate lifted for the CPU

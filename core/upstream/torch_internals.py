@@ -216,3 +216,18 @@ def serialize_aot(fn) -> bytes:
     if isinstance(cls, Unavailable):
         raise RuntimeError(str(cls))
     return cls.serialize(fn).serialized_data
+
+
+def graph_break_error() -> type | Unavailable:
+    """The exception dynamo raises for a graph break under fullgraph=True (torch._dynamo.exc.Unsupported)."""
+    cls = _attr("torch._dynamo.exc.Unsupported")
+    return cls if isinstance(cls, type) else cls
+
+
+def graph_break_site(e: BaseException) -> str:
+    """Where in the traced source a dynamo error happened ('file:line in function'), or '' where it does not say."""
+    stack = getattr(e, "real_stack", None)
+    if not stack:
+        return ""
+    f = stack[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}"

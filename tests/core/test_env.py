@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import COMFY_VERSION
-from core import env
-from core.errors import FluxAccelError
+from fluxaccel.core import env
+from fluxaccel.core.errors import FluxAccelError
 
 
 def test_torchao_missing(monkeypatch):

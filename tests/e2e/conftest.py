@@ -15,7 +15,7 @@ E2E_3072_UNET = "fluxaccel-random-e2e-3072.safetensors"  # FLUX.1's own width: w
 
 @pytest.fixture(scope="session")
 def e2e_model_file():
-    from core.test_models import write_flux_file
+    from support.models import write_flux_file
 
     return write_flux_file(MODELS_DIR / "diffusion_models" / E2E_UNET, "e2e")
 
@@ -33,7 +33,7 @@ def server(e2e_model_file):
 
 @pytest.fixture(scope="session")
 def e2e_3072_model_file():
-    from core.test_models import write_flux_file
+    from support.models import write_flux_file
 
     return write_flux_file(MODELS_DIR / "diffusion_models" / E2E_3072_UNET, "e2e-3072")
 

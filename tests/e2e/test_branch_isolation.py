@@ -3,7 +3,7 @@ model without our node computes exactly what it computes when our node is absent
 import pytest
 import torch
 
-from core.metrics import rel_err
+from fluxaccel.core.bench.metrics import rel_err
 from tools.comfy_server import PromptFailed
 
 from .conftest import flux_inputs, sample_and_save, saved_latent as _latent

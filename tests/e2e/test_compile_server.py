@@ -3,7 +3,7 @@ and correct results again after /free unloads the model."""
 import pytest
 import torch
 
-from core.metrics import rel_err
+from fluxaccel.core.bench.metrics import rel_err
 from tools.comfy_server import PromptFailed
 
 from .conftest import flux_inputs, sample_and_save, saved_latent as _latent

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from conftest import ROOT
-from core.warmup import TICKS
+from fluxaccel.core.compile.warmup import TICKS
 from tools.workflows import ui_to_api
 
 from .conftest import E2E_UNET
@@ -74,7 +74,7 @@ def test_compile_benchmark_configurations_run_and_match_eager(server):
     /prompt on the e2e model: each Benchmark node becomes one 64x64 sampling step of its model (the Benchmark itself
     is run by the CPU quickstart, the warmup/benchmark and browser tests; here the seven eager baselines and
     fidelity passes would cost minutes of CI), compared with the eager step."""
-    from core.metrics import rel_err
+    from fluxaccel.core.bench.metrics import rel_err
 
     from .conftest import sample_and_save, saved_latent
 

@@ -18,7 +18,7 @@ FP8_TOL = 0.08  # FP8 e4m3 on the whole model, as in tests/core/test_fp8_patch.p
 
 @pytest.fixture(scope="module")
 def lora_file(e2e_model_file):
-    from core.test_models import write_lora_file
+    from support.models import write_lora_file
 
     return write_lora_file(MODELS_DIR / "loras" / LORA, e2e_model_file, TARGETS)
 

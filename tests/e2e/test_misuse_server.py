@@ -21,7 +21,7 @@ SD3_UNET = "fluxaccel-random-sd3-tiny.safetensors"
 def sd3_file():
     """A tiny SD3 (MMDiT) diffusion model that ComfyUI's UNETLoader detects as SD3: a non-FLUX MODEL."""
     import comfy.supported_models
-    from core.test_models import save_atomic
+    from support.models import save_atomic
 
     path = MODELS_DIR / "diffusion_models" / SD3_UNET
     if not path.exists():

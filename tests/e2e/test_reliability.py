@@ -82,7 +82,7 @@ def test_four_concurrent_clients_three_prompts_each(server):
 def test_interrupt_during_warmup_then_the_compiled_model_still_works(server):
     """/interrupt while the Warmup node samples (its progress events are the trigger); the same workflow then
     completes, the compiled model matches the eager one, and the interrupted warmup left no extra compile."""
-    from core.metrics import rel_err
+    from fluxaccel.core.bench.metrics import rel_err
 
     def graph(steps, tag, compiled=True, max_shapes=1):
         g = flux_inputs()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import COMFY_DIR
-from core.metrics import rel_err
+from fluxaccel.core.bench.metrics import rel_err
 from tools.comfy_server import ComfyServer
 from tools.host import CPU_SERVER_ARGS
 
@@ -21,7 +21,7 @@ SCHNELL_UNET = "fluxaccel-random-e2e-schnell.safetensors"
 
 @pytest.fixture(scope="module")
 def logged_server(e2e_model_file):
-    from core.test_models import write_flux_file
+    from support.models import write_flux_file
 
     write_flux_file(MODELS_DIR / "diffusion_models" / SCHNELL_UNET, "e2e-schnell")
     work = Path(tempfile.mkdtemp(prefix="fluxaccel-2shapes-"))

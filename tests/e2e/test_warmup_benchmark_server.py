@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from core.warmup import TICKS
+from fluxaccel.core.compile.warmup import TICKS
 
 from .conftest import E2E_UNET
 

@@ -1,0 +1,130 @@
+"""Whole-model torch.compile of FLUX with CUDA graphs, and the fixed-shape contract around it.
+
+This file knows the compiled callable; compile_patch.py puts it into a ComfyUI ModelPatcher.
+Recipe, in order (each step's why):
+  1. quantize (optional, fp8_patch)  -- FP8 Linears are in the module tree before tracing, so they get fused
+  2. compile the *whole* diffusion model, dynamic=False -- one graph per shape; per-block (regional) compile
+     with CUDA graphs overwrites block outputs between replays. With block_regions the repeated FLUX blocks are
+     nested compile regions inside that one graph (block_regions.py): each kind compiled once, reused 19/38 times
+  3. capture CUDA graphs (inductor's cudagraph trees) -- removes per-kernel launch overhead
+  4. warm up at every shape the workflow uses (Warmup node) -- compile/capture before the first real prompt
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+
+import torch
+
+from .config import MODES, POLICIES, CompileConfig  # noqa: F401  (the compile config's home is config.py)
+from .runner import Runner
+from .shapes import ShapeKey, ShapePolicy, dtype_name, shape_key  # noqa: F401
+from .options import refuse_unsupported
+from .stats import CompileStats
+from .telemetry import Telemetry
+
+log = logging.getLogger("fluxaccel.compile")
+
+
+class CompiledFlux(torch.nn.Module):
+    """Stands in for BaseModel.diffusion_model during apply_model, in three parts with one job each: the shape policy
+    (which shapes run compiled), the runner (the compiled call) and the telemetry (stats, progress, editor)."""
+
+    def __init__(self, dm: torch.nn.Module, cfg: CompileConfig, device: torch.device, variant: str = "",
+                 layout: str | None = None):
+        super().__init__()
+        # held outside _modules: the live diffusion model must not appear twice in the module tree
+        object.__setattr__(self, "_dm", dm)
+        self.cfg, self.device = cfg, torch.device(device)
+        self.stats = CompileStats()
+        self.policy = ShapePolicy(cfg.resolution_policy, cfg.max_shapes)
+        self.regions = None
+        if cfg.block_regions:
+            from .block_regions import BlockRegions
+
+            self.regions = BlockRegions(dm)
+        self.cache, packages = self._persistence(dm, variant, layout)
+        self.runner = Runner(dm, cfg.inductor_options(self.device), cfg.cuda_graphs, self.regions, packages)
+        self.telemetry = Telemetry(self)
+
+    def _persistence(self, dm, variant: str, layout: str | None):
+        """The kernel cache (kernel_cache.py) and the warm-start packages (warm_start.py), as the config asks."""
+        if not self.cfg.persistent_cache:
+            return None, None
+        from .kernel_cache import KernelCache, cache_key
+        from .warm_start import Packages, WarmStart, available
+
+        cache = KernelCache(cache_key(dm, self.cfg, self.device, variant, layout))
+        self.stats.cache_loaded = cache.load()
+        usable, why = available() if self.cfg.warm_start else (False, "warm_start off in the compile config")
+        if usable:
+            return cache, Packages(WarmStart(cache.key, cache.dir), self.cfg.inductor_options(self.device))
+        self.stats.warm_start_off = why
+        if self.cfg.warm_start:
+            self.stats.degrade("warm start", f"{why}; a restarted ComfyUI traces the model again")
+            log.warning("FluxAccel: no warm-start packages: %s; a restarted ComfyUI traces the model again", why)
+        return cache, None
+
+    def __getattr__(self, name):
+        # BaseModel reads attributes of its diffusion_model (dtype, ...) while we stand in for it
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_dm"), name)
+
+    # the editor's callbacks (nodes/events.py), held by the telemetry
+    on_compiled = property(lambda self: self.telemetry.on_compiled,
+                           lambda self, fn: setattr(self.telemetry, "on_compiled", fn))
+    on_progress = property(lambda self: self.telemetry.on_progress,
+                           lambda self, fn: setattr(self.telemetry, "on_progress", fn))
+
+    @property
+    def graphs(self) -> bool:
+        return self.cfg.cuda_graphs
+
+    @property
+    def graphs_active(self) -> bool:
+        """CUDA graphs asked for and possible here (they are CUDA-only; on the CPU the option is ignored)."""
+        return self.cfg.cuda_graphs and self.device.type == "cuda"
+
+    @property
+    def graphs_running(self) -> bool:
+        """graphs_active, and inductor has not dropped them for any shape (at compile or past its re-record limit)."""
+        return self.graphs_active and not self.stats.graph_skips and not self.stats.graphs_lost
+
+    def derive(self) -> "CompiledFlux":
+        """A CompiledFlux for a downstream node's output (Warmup): the same compiled callable, caches and block
+        regions, with its own allowed shapes and stats (copies), so that what it registers leaves this one -- an
+        upstream node's output, which ComfyUI treats as immutable -- as it was."""
+        new = copy.copy(self)  # shallow: the runner (compiled callable, packages), model, caches, regions are shared
+        new.stats = self.stats.copy()
+        new.telemetry = Telemetry(new)
+        new.telemetry.on_compiled, new.telemetry.on_progress = self.on_compiled, self.on_progress
+        return new
+
+    def register_shape(self, key: ShapeKey) -> None:
+        """Allow a shape explicitly (the Warmup node), whatever the resolution policy; bounded by max_shapes."""
+        if self.policy.register(key, self.stats.shapes):
+            self.stats.shapes.append(key)
+
+    def forward(self, x, timestep, context=None, control=None, transformer_options={}, **kwargs):
+        refuse_unsupported(control, transformer_options, kwargs, self.regions)
+        key = shape_key(x, context)
+        decision = self.policy.decide(key, self.stats.shapes)
+        if decision == "eager":  # eager_fallback for a shape that is not compiled: counted, and logged by the policy
+            self.stats.eager_calls += 1
+            return self._dm(x, timestep, context=context, transformer_options=transformer_options, **kwargs)
+        if decision == "new":
+            self.stats.shapes.append(key)
+        if key in self.stats.compile_seconds:
+            with self.telemetry.warm_call(key, x):
+                out = self.runner(key, x, timestep, context, transformer_options, kwargs)
+        else:  # the artifacts of this compile are recorded for this model's kernel-cache file only
+            recording = self.cache.recording() if self.cache is not None else contextlib.nullcontext()
+            with self.telemetry.first_call(key, transformer_options, x) as watch, recording:
+                out = self.runner(key, x, timestep, context, transformer_options, kwargs, watch.loading_package)
+            if self.cache is not None:
+                self.cache.save()
+        self.telemetry.count_call(self.runner.paused)
+        return out

@@ -1,0 +1,73 @@
+"""What the Compile node asks for: one small frozen config, validated when made, turned into the options of one
+torch.compile call (nothing process-wide)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..errors import FluxAccelError
+from ..upstream import torch_internals
+
+MODES: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs", "max-autotune")
+POLICIES: tuple[str, ...] = ("strict", "recompile", "eager_fallback")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    cuda_graphs: bool = True
+    mode: Literal["default", "max-autotune-no-cudagraphs", "max-autotune"] = "default"
+    resolution_policy: Literal["strict", "recompile", "eager_fallback"] = "strict"
+    max_shapes: int = 4
+    persistent_cache: bool = True
+    # with persistent_cache: each shape's trace saved as a warm-start package (warm_start.py), so a restarted ComfyUI
+    # does not trace the model again; off: only inductor's artifacts are kept (compile_cache.py)
+    warm_start: bool = True
+    block_regions: bool = True  # H200 dev-1024-28: compile 73 -> 42 s, steady state +2-3 % (bench/NOTES.md)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise FluxAccelError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.resolution_policy not in POLICIES:
+            raise FluxAccelError(f"resolution_policy must be one of {POLICIES}, got {self.resolution_policy!r}")
+        if self.max_shapes < 1:
+            raise FluxAccelError(f"max_shapes must be at least 1, got {self.max_shapes}")
+        if self.block_regions:
+            from .block_regions import available
+
+            if not available():
+                raise FluxAccelError(f"block_regions needs torch.compiler.nested_compile_region (torch 2.8 or newer); "
+                                     f"this is torch {torch.__version__}. Turn block_regions off.")
+
+    def summary(self) -> str:
+        """The config in words (the Compile node's text)."""
+        policy = {"strict": "only the first shape (another is an error)",
+                  "recompile": f"up to {self.max_shapes} shapes, each compiled when first met",
+                  "eager_fallback": "the first shape compiled, others run uncompiled (counted)"}[self.resolution_policy]
+        return "; ".join([
+            "whole model, compiled on first use" + (f" (mode {self.mode})" if self.mode != "default" else ""),
+            "CUDA graphs " + ("on" if self.cuda_graphs else "off"),
+            f"shapes: {policy}",
+            "repeated blocks compiled once" if self.block_regions else "every block compiled",
+            ("compile cache on" + (" with warm start" if self.warm_start else "")) if self.persistent_cache
+            else "no compile cache (compiles again after a restart)"])
+
+    def inductor_options(self, device: torch.device) -> dict:
+        """Options passed to this torch.compile call only (no process-wide inductor/dynamo config changes).
+
+        torch.compile takes either mode or options; a mode is expanded to its options so that CUDA graphs can be
+        switched on or off on top of it. Graphs are CUDA-only: on other devices the option is left off.
+        """
+        opts = {}
+        if self.mode != "default":
+            opts = torch_internals.mode_options(self.mode)
+            if not opts:
+                raise FluxAccelError(f"mode {self.mode!r} cannot be expanded to inductor options here ({opts}); "
+                                     f"set mode to 'default' on the Compile node.")
+        opts["triton.cudagraphs"] = bool(self.cuda_graphs and torch.device(device).type == "cuda")
+        # Round bf16 intermediates as eager does. Without it inductor keeps e.g. guidance * 1000 in float32 (3500)
+        # where eager rounds it to bf16 (3504): FLUX's sinusoidal embeddings turn that into a different output
+        # (35 % relative error on the tiny test model, 0.7 % with this option).
+        opts["emulate_precision_casts"] = True
+        return opts

@@ -1,0 +1,188 @@
+"""Put a CompiledFlux into a ComfyUI ModelPatcher clone through a keyed APPLY_MODEL wrapper.
+
+As ComfyUI's own set_torch_compile_wrapper does: the wrapper swaps BaseModel.diffusion_model for the compiled
+callable for the duration of one apply_model call and restores it in `finally`; any previous wrapper under our
+key is removed first. The loaded model and other branches are never compiled.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from ..models.loaded import foreign_graph_compilers, require_compatible, resident
+from .config import CompileConfig
+from .compiled import CompiledFlux
+from ..env import require_torch
+from ..errors import FluxAccelError
+from ..upstream import comfy_internals, torch_internals
+from ..models.flux import on_load_callback_type, partial_load_guard, require_flux, require_fully_loaded
+
+log = logging.getLogger("fluxaccel.compile")
+
+COMPILE_KEY = "fluxaccel.compile"
+COMFY_COMPILE_KEY = comfy_internals.COMFY_COMPILE_KEY
+NODE = "Compile + CUDA Graph (FluxAccel)"
+
+
+def _apply_model_type() -> str:
+    from comfy.patcher_extension import WrappersMP
+
+    return WrappersMP.APPLY_MODEL
+
+
+def regional_compiles(model) -> list[str]:
+    """Per-block/regional compiles already on the model: wrappers or object patches compiling parts of it."""
+    found = []
+    for key, fns in model.wrappers.get(_apply_model_type(), {}).items():
+        if key == COMFY_COMPILE_KEY:
+            for fn in fns:
+                keys = comfy_internals.compile_wrapper_keys(fn)
+                if not keys:  # cannot tell what it compiles: treated as regional, and the message says so
+                    keys = [f"? ({keys})"]
+                if keys != ["diffusion_model"]:
+                    found.append(f"ComfyUI torch.compile wrapper on {', '.join(keys)}")
+    for key, obj in model.object_patches.items():
+        if torch_internals.is_compiled_module(obj):
+            found.append(f"compiled object patch {key}")
+    for name, mod in model.model.diffusion_model.named_modules():
+        if name and torch_internals.is_compiled_module(mod):
+            found.append(f"compiled submodule diffusion_model.{name}")
+    return found
+
+
+def cuda_graph_blockers(device: torch.device) -> list[str]:
+    """Process settings under which CUDA graphs cannot be used, with the launch flag that fixes each."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return []
+    out = []
+    try:
+        backend = torch.cuda.get_allocator_backend()
+    except (AttributeError, RuntimeError):
+        backend = "native"
+    if backend == "cudaMallocAsync":
+        out.append("ComfyUI runs PyTorch's cudaMallocAsync allocator (its default), which inductor's CUDA-graph "
+                   "trees do not support; start ComfyUI with --disable-cuda-malloc to use CUDA graphs")
+    return out
+
+
+def _swap_in_factory(compiled: CompiledFlux):
+    def apply_compiled(executor, *args, **kwargs):
+        import comfy.utils
+
+        base = executor.class_obj
+        orig = comfy.utils.get_attr(base, "diffusion_model")
+        comfy.utils.set_attr(base, "diffusion_model", compiled)
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            comfy.utils.set_attr(base, "diffusion_model", orig)
+
+    return apply_compiled
+
+
+def _install(clone, compiled: CompiledFlux):
+    """Put `compiled` on `clone` (already a clone): our one keyed APPLY_MODEL wrapper, replacing any earlier one, and
+    the CompiledFlux as the clone's COMPILE_KEY attachment (read by Warmup, Benchmark and the editor badge)."""
+    wt = _apply_model_type()
+    clone.remove_wrappers_with_key(wt, COMPILE_KEY)
+    clone.add_wrapper_with_key(wt, COMPILE_KEY, _swap_in_factory(compiled))
+    clone.set_attachments(COMPILE_KEY, compiled)
+    return clone, compiled
+
+
+def _variant(model) -> str:
+    """What the compiled graph depends on beyond the base module's parameters: FluxAccel's FP8 config and the
+    modules other object patches swap in at load time (the persistent compile cache is keyed by it)."""
+    from ..quant.patch import fp8_state
+
+    st = fp8_state(model)
+    fp8 = st.config.key() if st else None
+    swapped = sorted(k for k, v in model.object_patches.items() if isinstance(v, torch.nn.Module))
+    return repr((fp8, swapped))
+
+
+def model_layout(model) -> str:
+    """What the compiled graph's parameters look like, read from the patcher rather than the live module tree (which
+    holds whichever clone's patches are applied at the moment): the architecture ComfyUI detected and the storage and
+    compute dtypes. With _variant (FP8 config, swapped modules) it keys the persistent compile cache."""
+    bm = model.model
+    unet = getattr(getattr(bm, "model_config", None), "unet_config", None) or {}
+    return repr((type(bm.diffusion_model).__name__, sorted((k, repr(v)) for k, v in unet.items()),
+                 str(bm.get_dtype()), str(getattr(bm, "manual_cast_dtype", None))))
+
+
+def apply_compile(model, cfg: CompileConfig, node: str = NODE):
+    """Return a clone of `model` whose diffusion model runs compiled (and graph-captured) as one module."""
+    require_flux(model, node)
+    require_torch(node)
+    model = resident(model, node)  # ComfyUI 0.33's dynamic VRAM: its non-dynamic delegate (comfy_compat.py)
+    dm = require_flux(model, node)
+    require_fully_loaded(model, node)
+    require_compatible(model, dm, node)
+    regional = regional_compiles(model) + foreign_graph_compilers(model)
+    if regional and cfg.cuda_graphs:
+        raise FluxAccelError(
+            f"{node}: the model already carries a per-block (regional) compile ({'; '.join(regional)}). CUDA graphs "
+            f"need the whole model compiled as one graph: remove the other compile node (e.g. TorchCompileModel with "
+            f"block keys) or turn cuda_graphs off.")
+    if cfg.block_regions:
+        from ..quant.patch import fp8_state
+
+        fp8 = fp8_state(model)
+        if fp8 and fp8.config.layout == "subclass":
+            # torch has no rule for tensor-subclass weights (torchao's Float8Tensor) inside a nested compile region
+            log.warning("FluxAccel: %s compiles without block_regions: FP8 weights in the 'subclass' layout cannot "
+                        "be used in torch's nested compile regions (a longer first compile, same numerics). Set "
+                        "layout 'plain' on Quantize FP8 to keep block_regions.", node)
+            cfg = dataclasses.replace(cfg, block_regions=False)
+    device = torch.device(model.load_device)
+    graphs_off = ""
+    if cfg.cuda_graphs:
+        blockers = cuda_graph_blockers(device)
+        if blockers:
+            # compiled without graphs, and said so: in the log (once per Compile node run), the model's stats,
+            # its label and the editor badge
+            graphs_off = "; ".join(blockers)
+            log.warning("FluxAccel: %s compiles without CUDA graphs: %s", node, graphs_off)
+            cfg = dataclasses.replace(cfg, cuda_graphs=False)
+    clone = model.clone()
+    wt = _apply_model_type()
+    if clone.get_wrappers(wt, COMFY_COMPILE_KEY):
+        log.info("FluxAccel: replacing ComfyUI's whole-model torch.compile wrapper with FluxAccel's")
+        clone.remove_wrappers_with_key(wt, COMFY_COMPILE_KEY)
+        clone.model_options.pop("torch_compile_kwargs", None)
+    compiled = CompiledFlux(dm, cfg, device, variant=_variant(model), layout=model_layout(model))
+    compiled.stats.graphs_off_reason = graphs_off
+    clone.add_callback_with_key(on_load_callback_type(), COMPILE_KEY, partial_load_guard(node))
+    return _install(clone, compiled)
+
+
+def compiled_of(model) -> CompiledFlux | None:
+    """The CompiledFlux Compile (or Warmup) put on this model, if any: its COMPILE_KEY attachment, while our wrapper
+    is on the model (a clone that dropped the wrapper runs uncompiled, whatever it still carries)."""
+    if not model.get_wrappers(_apply_model_type(), COMPILE_KEY):
+        return None
+    return model.get_attachment(COMPILE_KEY)
+
+
+def with_own_shapes(model):
+    """(clone, its CompiledFlux): a clone of a compiled model whose CompiledFlux is derived from the input's (own
+    allowed shapes and stats), for a node that registers shapes (Warmup); (model, None) if it is not compiled."""
+    compiled = compiled_of(model)
+    if compiled is None:
+        return model, None
+    return _install(model.clone(), compiled.derive())
+
+
+def remove_compile(model):
+    """A clone running the uncompiled model (the Benchmark's default baseline)."""
+    if compiled_of(model) is None:
+        return model
+    clone = model.clone()
+    clone.remove_wrappers_with_key(_apply_model_type(), COMPILE_KEY)
+    clone.remove_callbacks_with_key(on_load_callback_type(), COMPILE_KEY)
+    clone.remove_attachments(COMPILE_KEY)
+    return clone

@@ -1,0 +1,100 @@
+"""Progress of one compile for a person watching it: the phase torch is in and the seconds so far, reported every
+`interval` seconds from a watcher thread while the compiling call blocks the sampler.
+
+The phase is read from torch's own compile timers (`torch._dynamo.utils.compilation_time_metrics`): a timer is
+recorded when its phase ends, so the phase now running is the first of PHASES whose timer has not moved since the
+compile began. A warm-start package that loads reports "loading the warm-start package" instead.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable
+
+log = logging.getLogger("fluxaccel.compile")
+
+# (timer that ends the phase, what runs until then), in the order a compile runs them
+PHASES: tuple[tuple[str, str], ...] = (
+    ("bytecode_tracing", "tracing the model (dynamo)"),
+    ("GraphLowering.run", "AOT autograd and lowering (inductor)"),
+    ("GraphLowering.codegen", "generating kernels (inductor)"),
+    ("async_compile.wait", "compiling kernels (Triton / C++)"),
+    ("create_aot_dispatcher_function", "finishing the compiled graph"),
+)
+FIRST_RUN = "first run of the compiled graph"
+
+Report = Callable[[str, float], None]  # (text, seconds since the compile began)
+
+
+UNKNOWN_PHASE = "phase unknown (torch's compile timers are not where FluxAccel reads them)"
+
+
+def _counts() -> dict[str, int] | None:
+    """How many times each phase's timer has ended so far; None where torch does not expose its timers."""
+    from ..upstream import Unavailable, torch_internals
+
+    timers = torch_internals.compile_timers()  # an empty dict before the process's first compile
+    return None if isinstance(timers, Unavailable) else {k: len(timers.get(k, ())) for k, _ in PHASES}
+
+
+def phase(before: dict[str, int] | None, now: dict[str, int] | None) -> str:
+    """The phase running now, given the timer counts when the compile began and now."""
+    if before is None or now is None:
+        return UNKNOWN_PHASE
+    for timer, what in PHASES:
+        if now.get(timer, 0) <= before.get(timer, 0):
+            return what
+    return FIRST_RUN
+
+
+class CompileWatch:
+    """Context manager around one compiling call: report(text, elapsed) now, every `interval` seconds, and at the end.
+    A report that raises is logged and stops nothing (the compile must not fail for its progress display)."""
+
+    def __init__(self, report: Report | None, what: str, interval: float = 1.0):
+        self.report, self.what, self.interval = report, what, interval
+        self.loading = False  # while a warm-start package loads (loading_package)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def loading_package(self):
+        """Around loading a warm-start package: the reports say so instead of a compile phase."""
+        self.loading = True
+        try:
+            yield
+        finally:
+            self.loading = False
+
+    def text(self, elapsed: float) -> str:
+        doing = "loading the warm-start package" if self.loading else phase(self._before, _counts())
+        return f"compiling {self.what}: {elapsed:.0f} s, {doing}"
+
+    def _send(self, text: str, elapsed: float) -> None:
+        try:
+            self.report(text, elapsed)
+        except Exception as e:  # a display must never break the compile
+            log.debug("FluxAccel: compile progress not shown (%s)", e)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            elapsed = time.perf_counter() - self._t0
+            self._send(self.text(elapsed), elapsed)
+
+    def __enter__(self) -> "CompileWatch":
+        self._before, self._t0 = _counts(), time.perf_counter()
+        if self.report is not None:
+            self._send(self.text(0.0), 0.0)
+            self._thread = threading.Thread(target=self._loop, name="fluxaccel-compile-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            elapsed = time.perf_counter() - self._t0
+            end = "failed" if exc_type is not None else "ready"
+            self._send(f"compiling {self.what}: {end} after {elapsed:.1f} s", elapsed)

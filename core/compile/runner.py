@@ -1,0 +1,67 @@
+"""The compiled call itself, read top to bottom: mark a CUDA-graph step, call the compiled whole model (from its
+warm-start package where there is one), copy the output out of graph memory."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..errors import FluxAccelError
+from ..upstream import Unavailable, comfy_internals, say, torch_internals
+from .options import call_options
+from .rope import torch_rope
+
+# dynamo's recompile budget is counted per code object: every compiled FLUX compiles the same Flux.forward, so all
+# FluxAccel models of a process would share torch's default (8 entries), and a shape past it would run eager with no
+# error. FluxAccel's calls run with a budget above anything max_shapes allows (for the duration of our call only).
+RECOMPILE_LIMIT = 1024
+
+
+def recompile_budget():
+    return torch_internals.recompile_budget(RECOMPILE_LIMIT)
+
+
+@contextlib.contextmanager
+def one_graph():
+    """A graph break (the model cannot be one graph) as an error naming the op, where and the versions."""
+    breaks = torch_internals.graph_break_error()
+    if isinstance(breaks, Unavailable):
+        say(breaks, "a graph break is reported as torch raises it, not as FluxAccel's own message")
+        yield
+        return
+    try:
+        yield
+    except breaks as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        site = torch_internals.graph_break_site(e)
+        raise FluxAccelError(
+            f"Compile (FluxAccel) compiles the whole FLUX model as one graph, and torch.compile cannot trace it in one "
+            f"piece: {first}{f' (at {site})' if site else ''}. ComfyUI {comfy_internals.comfyui_version()}, torch "
+            f"{torch.__version__}. Bypass the Compile node for this model or workflow (Quantize FP8 works without it)."
+        ) from e
+
+
+class Runner:
+    """Runs one compiled model call. `compiled` is torch.compile of the whole diffusion model (fullgraph: one graph
+    per shape, a graph break is an error); `packages` (warm_start.Packages, or None) hands out the call's saved
+    compiled function where it has one. `paused`: the Comfy model compiler's answer for the last call."""
+
+    def __init__(self, dm: torch.nn.Module, options: dict, graphs: bool, regions=None, packages=None):
+        self.dm, self.graphs, self.regions, self.packages = dm, graphs, regions, packages
+        self.compiled = torch.compile(dm, backend="inductor", dynamic=False, fullgraph=True, options=options)
+        self.paused = False
+
+    def __call__(self, key, x, timestep, context, transformer_options: dict, kwargs: dict,
+                 loading=contextlib.nullcontext):
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous call's outputs may be overwritten from here on
+        opts = call_options(transformer_options, self.regions)
+        call_kwargs = dict(context=context, transformer_options=opts, **kwargs)
+        # plain-torch RoPE (rope.py); outside the Comfy model compiler's memory plan, should one be recording
+        with one_graph(), recompile_budget(), torch_rope(), comfy_internals.outside_model_compiler() as self.paused:
+            package = self.packages.get(key, self.dm, (x, timestep), call_kwargs, loading) if self.packages else None
+            if package is None:
+                out = self.compiled(x, timestep, **call_kwargs)
+            else:
+                out = package(self.dm, x, timestep, **call_kwargs)
+        return out.clone() if self.graphs else out  # the sampler keeps outputs; graph memory is reused on replay

@@ -1,0 +1,243 @@
+"""Warm start: each compiled shape saved with dynamo's trace, so that a restarted ComfyUI runs without tracing again.
+
+The compile cache (compile_cache.py) keeps inductor's artifacts, but every new process still re-traces the model
+with dynamo and rebuilds its guards (H200, FLUX.1-dev: 19 of a cached start's 22 s). A warm-start package is
+`torch.compile(...).aot_compile()`'s output instead: the traced bytecode and the compiled graph of one call signature,
+loaded in a new process and called with the live model as its `self` -- its weights are read from the loaded
+model at each call (LoRA-merged and FP8 weights stay ComfyUI's), nothing is baked into the file.
+
+Guards. dynamo would check the module tree's types on each call; ComfyUI's op classes (comfy.ops.*.Linear, ...)
+are nested classes, which dynamo refuses to save ("defined in local scope"). A package therefore keeps no dynamo
+guards, and FluxAccel checks what they would have: the file's key holds the compile cache's key (torch, triton,
+torchao versions, GPU, compile config, model layout, FP8 config) and the call signature (every input's shape, dtype
+and device, the options FLUX reads, grad/inference mode); a call with another signature gets its own package. On
+load, the sources the trace inlined (ComfyUI's FLUX code, FluxAccel's attention and rope) are compared with the ones
+running now: a changed source makes the package stale.
+
+Files sit next to the compile cache (`<key>-<signature>.warm`), written under a temporary name and renamed, so
+workers sharing a folder never read half a file; a stale, foreign or corrupt file is ignored with a warning and the
+shape compiles again (and its package is rewritten).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..upstream import torch_internals
+
+log = logging.getLogger("fluxaccel.cache")
+
+MAGIC = b"FLUXACCEL-WARM-START 1\n"
+SUFFIX = ".warm"
+
+# packages this process has "loaded": a loaded one runs without dynamo tracing anything, so dynamo's counters do not
+# see it (with them, they count the compiled graphs a process has made)
+counts: collections.Counter = collections.Counter()
+
+
+def available() -> tuple[bool, str]:
+    """(usable, why not): torch's AOT compile of a dynamo trace (torch 2.9 or newer)."""
+    ok = torch_internals.aot_compile_available()
+    return (True, "") if ok is True else (False, str(ok))
+
+
+class NotPackageable(ValueError):
+    """A call input that a package cannot stand for in another process (the call is traced by torch.compile)."""
+
+
+def _describe(value: Any, where: str) -> Any:
+    """A value's part of a call signature: tensors by shape/dtype/device, module-level functions by qualified name.
+    A closure, lambda, bound method or other callable object (e.g. an attention override holding its settings) may
+    compute differently under the same name in the next process: refused, so the call keeps dynamo's guards."""
+    if isinstance(value, torch.Tensor):
+        return f"T{tuple(value.shape)}:{tuple(value.stride())}:{value.dtype}:{value.device}:{value.requires_grad}"
+    if isinstance(value, dict):
+        return {str(k): _describe(v, f"{where}.{k}") for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_describe(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if callable(value):
+        qual = getattr(value, "__qualname__", "")
+        if not isinstance(value, types.FunctionType) or value.__closure__ or "<" in qual:
+            raise NotPackageable(f"{where} is {value!r}, not a module-level function")
+        return f"{value.__module__}.{qual}"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    raise NotPackageable(f"{where} is a {type(value).__name__}")
+
+
+def signature(args: tuple, kwargs: dict) -> str:
+    """What one package is valid for, besides the cache key: the inputs' structure and the autograd mode."""
+    desc = {"args": _describe(args, "args"), "kwargs": _describe(kwargs, "kwargs"), "grad": torch.is_grad_enabled(),
+            "inference": torch.is_inference_mode_enabled()}
+    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _no_guards(entries) -> list[bool]:
+    # see the module docstring: FluxAccel's key and signature stand in for dynamo's guards
+    return [False] * len(entries)
+
+
+def aot_compile(dm: torch.nn.Module, options: dict, args: tuple, kwargs: dict) -> Callable:
+    """Trace and compile one call of dm (its class's forward, dm passed as self) ahead of running it."""
+    # torch 2.9-2.11: off by default, and read when torch.compile wraps the function (for this call only)
+    with torch_internals.enable_aot_compile():
+        fn = torch.compile(type(dm).forward, backend="inductor", fullgraph=True, dynamic=False,
+                           options={**options, "guard_filter_fn": _no_guards})
+        compiled = fn.aot_compile(((dm, *args), kwargs))
+    _skip_guard_check(compiled)
+    return compiled
+
+
+def _skip_guard_check(fn) -> None:
+    """A package holds no guards (see above): skip binding each call's arguments to check none (where torch has it)."""
+    off = getattr(fn, "disable_guard_check", None)
+    if off is not None:
+        off()
+
+
+def _source_digests(fn) -> dict[str, str]:
+    """module -> sha256 of its source, for every module the trace inlined code from."""
+    out = {}
+    for s in fn.source_info().inlined_sources:
+        out[s.module] = hashlib.sha256(s.content.encode()).hexdigest()
+    return out
+
+
+def _stale_sources(saved: dict[str, str]) -> list[str]:
+    import inspect
+
+    changed = []
+    for name, digest in saved.items():
+        mod = sys.modules.get(name)
+        try:
+            now = hashlib.sha256(inspect.getsource(mod).encode()).hexdigest() if mod is not None else None
+        except (OSError, TypeError):
+            now = None
+        if now != digest:
+            changed.append(name)
+    return changed
+
+
+class WarmStart:
+    """The warm-start packages of one compiled model (one cache key), one file per call signature."""
+
+    def __init__(self, key: str, directory: Path):
+        self.key = key
+        self.dir = Path(directory)
+
+    def path(self, sig: str) -> Path:
+        return self.dir / f"{self.key}-{sig}{SUFFIX}"
+
+    def load(self, sig: str, options: dict | None = None) -> Callable | None:
+        """The saved compiled call for this signature, or None (with a warning if a file was there but unusable).
+        options: the compile's inductor options, in force while loading only: torch wraps the loaded graph in CUDA
+        graphs from the config it reads then (triton.cudagraphs), not from the saved compile's options."""
+        path = self.path(sig)
+        if not path.is_file():
+            return None
+        try:
+            t0 = time.perf_counter()
+            blob = path.read_bytes()
+            if not blob.startswith(MAGIC):
+                raise ValueError("not a FluxAccel warm-start file")
+            header, _, payload = blob[len(MAGIC):].partition(b"\n")
+            meta = json.loads(header)
+            if meta.get("key") != self.key or meta.get("signature") != sig:
+                raise ValueError("written for another model/version/config/call signature")
+            stale = _stale_sources(meta.get("sources") or {})
+            if stale:
+                raise ValueError(f"stale: the source of {', '.join(stale)} changed since it was written")
+            with torch_internals.inductor_config_patch(options):
+                fn = torch.compiler.load_compiled_function(io.BytesIO(payload))
+            _skip_guard_check(fn)
+            counts["loaded"] += 1
+            log.info("FluxAccel: loaded warm-start package %s in %.2f s (no tracing)", path, time.perf_counter() - t0)
+            return fn
+        except Exception as e:  # never break a run: warn, compile again, and the package is rewritten
+            log.warning("FluxAccel: ignoring unusable warm-start package %s (%s: %s); compiling this shape",
+                        path, type(e).__name__, e)
+            return None
+
+    def save(self, sig: str, fn) -> bool:
+        """Write the package (temporary name, then rename: workers may share the folder)."""
+        path = self.path(sig)
+        try:
+            payload = torch_internals.serialize_aot(fn)
+            meta = {"key": self.key, "signature": sig, "torch": torch.__version__, "sources": _source_digests(fn)}
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(MAGIC + json.dumps(meta, sort_keys=True).encode() + b"\n" + payload)
+            os.replace(tmp, path)
+            log.info("FluxAccel: saved warm-start package %s (%d bytes)", path, len(payload))
+            return True
+        except Exception as e:
+            log.warning("FluxAccel: could not save the warm-start package %s (%s: %s); a restart traces this "
+                        "shape again", path, type(e).__name__, e)
+            return False
+
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+
+
+class Packages:
+    """The warm-start compiled calls of one compiled model, one per call signature: loaded from the package file, or
+    AOT-compiled now and saved for the next process. `outcome` says per shape how its call came about ("loaded",
+    "saved", or why there is no package); `load_seconds` how long loading took."""
+
+    def __init__(self, store: WarmStart, options: dict):
+        self.store, self.options = store, options
+        self.calls: dict[str, Callable | None] = {}
+        self.outcome: dict = {}
+        self.load_seconds: dict = {}
+
+    def get(self, key, dm: torch.nn.Module, args: tuple, kwargs: dict, loading=None) -> Callable | None:
+        """This call's compiled function (dm is passed as its first argument), or None: torch.compile runs it."""
+        opts = kwargs.get("transformer_options") or {}
+        try:  # the block regions' table holds closures rebuilt each process; the config (in the key) fixes it
+            sig = signature(args, {**kwargs, "transformer_options": {k: v for k, v in opts.items()
+                                                                     if k != "patches_replace"}})
+        except NotPackageable as e:
+            if key not in self.outcome:
+                self.outcome[key] = f"no package ({e})"
+                log.warning("FluxAccel: %s has no warm-start package: %s; it compiles with torch.compile instead, "
+                            "which a restarted ComfyUI traces again", key.describe(), e)
+            return None
+        if sig not in self.calls:
+            self.calls[sig] = self._load_or_compile(key, sig, dm, args, kwargs, loading)
+        return self.calls[sig]
+
+    def _load_or_compile(self, key, sig: str, dm, args: tuple, kwargs: dict, loading) -> Callable | None:
+        t0 = time.perf_counter()
+        with loading() if loading is not None else contextlib.nullcontext():
+            fn = self.store.load(sig, self.options)
+        if fn is not None:
+            self.outcome[key], self.load_seconds[key] = "loaded", round(time.perf_counter() - t0, 2)
+            return fn
+        breaks = torch_internals.graph_break_error()
+        try:
+            fn = aot_compile(dm, self.options, args, kwargs)
+        except Exception as e:  # noqa: BLE001 -- any failure to package: said, and torch.compile runs the call
+            if isinstance(breaks, type) and isinstance(e, breaks):
+                raise  # not one graph: the runner turns it into an error (runner.one_graph)
+            self.outcome[key] = f"no package ({_first_line(e)})"
+            log.warning("FluxAccel: %s cannot be compiled into a warm-start package (%s); it compiles with "
+                        "torch.compile instead, which a restarted ComfyUI traces again", key.describe(),
+                        _first_line(e))
+            return None
+        self.outcome[key] = "saved" if self.store.save(sig, fn) else "compiled, not saved (see the log)"
+        return fn

@@ -1,0 +1,76 @@
+"""Recognise a FLUX ModelPatcher and refuse, with a clear message, what we cannot accelerate."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import FluxAccelError
+
+FP8_DTYPES = tuple(
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)
+)
+
+
+def diffusion_model(model) -> torch.nn.Module:
+    return model.get_model_object("diffusion_model")
+
+
+def require_flux(model, node: str) -> torch.nn.Module:
+    """Return the FLUX diffusion model of a ComfyUI MODEL, or raise naming what was received."""
+    base = getattr(model, "model", None)
+    dm = getattr(base, "diffusion_model", None)
+    try:
+        from comfy.ldm.flux.model import Flux as FluxDiT
+    except ImportError:  # pragma: no cover - only outside ComfyUI
+        FluxDiT = None
+    is_flux = (
+        dm is not None
+        and (FluxDiT is None or isinstance(dm, FluxDiT))
+        and hasattr(dm, "double_blocks")
+        and hasattr(dm, "single_blocks")
+        and getattr(getattr(dm, "params", None), "global_modulation", False) is False
+    )
+    if not is_flux:
+        kind = type(base).__name__ if base is not None else type(model).__name__
+        inner = type(dm).__name__ if dm is not None else "none"
+        raise FluxAccelError(
+            f"{node} accelerates FLUX.1 diffusion models (dev, schnell and their fine-tunes), but received a "
+            f"{kind} model (diffusion model class {inner}). Connect the MODEL output of a FLUX.1 checkpoint "
+            f"or UNETLoader, or bypass this node for this model."
+        )
+    return dm
+
+
+def require_fully_loaded(model, node: str) -> None:
+    """A model that ComfyUI could only partially load (lowvram) streams weights per layer: refuse it."""
+    if getattr(model.model, "model_lowvram", False):
+        raise FluxAccelError(
+            f"{node}: ComfyUI loaded this FLUX model only partially (lowvram: some weights stay in CPU RAM and "
+            f"are copied per layer), which FP8 weights and CUDA graphs cannot use. Free VRAM (unload other models, "
+            f"lower the batch) or start ComfyUI with --highvram (or --gpu-only) so the model loads completely."
+        )
+
+
+def require_bf16_weights(modules, node: str) -> None:
+    """Refuse checkpoints stored in FP8 or loaded with UNETLoader weight_dtype fp8 (ComfyUI then keeps the
+    weights in FP8 and casts them per layer)."""
+    fp8 = sorted({str(p.dtype) for m in modules for p in m.parameters() if p.dtype in FP8_DTYPES})
+    if fp8:
+        raise FluxAccelError(
+            f"{node}: this FLUX model's weights are already stored in reduced precision ({', '.join(fp8)}: an FP8 "
+            f"checkpoint, or UNETLoader weight_dtype fp8_e4m3fn/fp8_e5m2). FluxAccel quantizes from bf16 weights: "
+            f"load the bf16 checkpoint with weight_dtype 'default', or skip the Quantize FP8 node for this model."
+        )
+
+
+def on_load_callback_type() -> str:
+    from comfy.patcher_extension import CallbacksMP
+
+    return CallbacksMP.ON_LOAD
+
+
+def partial_load_guard(node: str):
+    """An ON_LOAD callback refusing ComfyUI's lowvram (partial) loads of a patched model at sampling time."""
+    def on_load(patcher, device_to, lowvram_model_memory, force_patch_weights, full_load):
+        require_fully_loaded(patcher, node)
+
+    return on_load

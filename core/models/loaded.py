@@ -1,0 +1,128 @@
+"""What current ComfyUI (0.33 and newer) puts between FluxAccel and the FLUX weights, and how each is met.
+
+  * dynamic VRAM (ModelPatcherDynamic, on by default on NVIDIA GPUs with torch >= 2.8): weights are cast per call
+    through comfy-aimdo's VBAR slots, so their addresses are not fixed and the compiler breaks the graph at every
+    Linear. Our nodes work on ComfyUI's non-dynamic delegate of the model (`get_non_dynamic_delegate`, the same
+    reload core's TorchCompileModel makes with `clone(disable_dynamic=True)`): the checkpoint loaded a second time
+    as a plain, fully resident ModelPatcher, cached on the dynamic patcher. Other branches keep dynamic VRAM.
+  * core's own per-block CUDA graphs and, from 0.34, the Comfy model compiler (a malloc graph around them), for
+    dynamic-VRAM models of other families: FLUX's forward does not use them; modules core has captured are refused for
+    our compile, and our compiled call runs with a recording paused (upstream/comfy_internals.py).
+  * weights that are already tensor subclasses other than torchao's (mixed-precision / scaled-FP8 checkpoints:
+    ComfyUI's QuantizedTensor) are found here; fp8_patch decides what to do with them.
+ComfyUI 0.3.75 has none of these: every function here answers "nothing to do" there.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..errors import FluxAccelError
+from ..upstream import comfy_internals
+
+log = logging.getLogger("fluxaccel.compat")
+
+_OURS = ("fluxaccel",)
+
+
+def is_dynamic(model) -> bool:
+    """ComfyUI 0.33's own answer (ModelPatcher.is_dynamic); False on releases without dynamic VRAM."""
+    fn = getattr(model, "is_dynamic", None)
+    return bool(fn()) if callable(fn) else False
+
+
+def resident(model, node: str):
+    """The model with fixed, fully resident weights that FP8 copies and CUDA graphs need.
+
+    A dynamic-VRAM patcher gives ComfyUI's non-dynamic delegate: the same checkpoint, patches, options and wrappers
+    on a plain ModelPatcher (its weights a second copy in host RAM, loaded once per loaded model and kept by the
+    dynamic patcher for the next call). Any other model is returned as it is.
+    """
+    if not is_dynamic(model):
+        return model
+    try:
+        delegate = model.get_non_dynamic_delegate()
+    except RuntimeError as e:  # a custom loader that registered no cached_patcher_init: nothing to reload from
+        raise FluxAccelError(
+            f"{node}: ComfyUI's dynamic VRAM streams this model's weights on demand, and the node that loaded it gives "
+            f"no way to load them as fixed, resident weights ({e}). Load the model with UNETLoader (Load Diffusion "
+            f"Model) or CheckpointLoaderSimple, or start ComfyUI with --disable-dynamic-vram.") from e
+    if is_dynamic(delegate):
+        raise FluxAccelError(f"{node}: ComfyUI returned a dynamic-VRAM model where a resident one was asked for "
+                             f"({type(delegate).__name__}); start ComfyUI with --disable-dynamic-vram.")
+    log.info("FluxAccel: %s works on a resident copy of this dynamic-VRAM model (ComfyUI's non-dynamic delegate; "
+             "its weights take host RAM once more)", node)
+    return delegate
+
+
+def core_block_graphs(dm) -> list[str]:
+    """Modules of this diffusion model that ComfyUI's per-block CUDA graphs warmed up or captured; empty on releases
+    without them."""
+    return comfy_internals.core_graph_modules(dm)
+
+
+def foreign_graph_compilers(model) -> list[str]:
+    """Another CUDA-graph capture of this model's blocks (ComfyUI's own per-block graphs)."""
+    return [f"ComfyUI per-block CUDA graph on {name}" for name in core_block_graphs(model.model.diffusion_model)]
+
+
+def quantized_tensor_class():
+    """ComfyUI's QuantizedTensor (0.33: comfy-kitchen's weight subclass of scaled-FP8 and other mixed-precision
+    checkpoints), or None on hosts without it."""
+    try:
+        from comfy.quant_ops import QuantizedTensor
+    except ImportError:
+        return None
+    return QuantizedTensor if isinstance(QuantizedTensor, type) and issubclass(QuantizedTensor, torch.Tensor) else None
+
+
+def is_checkpoint_quantized(t) -> bool:
+    cls = quantized_tensor_class()
+    return cls is not None and isinstance(t, cls)
+
+
+def linear_like(mod) -> bool:
+    """An nn.Linear, or a Linear of ComfyUI's MixedPrecisionOps (not an nn.Linear; a 2-D weight, maybe quantized)."""
+    if isinstance(mod, torch.nn.Linear):
+        return True
+    w = getattr(mod, "weight", None)
+    return (type(mod).__name__ == "Linear" and isinstance(getattr(mod, "in_features", None), int)
+            and isinstance(getattr(mod, "out_features", None), int) and isinstance(w, torch.Tensor) and w.ndim == 2)
+
+
+def checkpoint_format(mod) -> str:
+    """How a checkpoint stored this Linear's weight: e.g. 'float8_e4m3fn (TensorCoreFP8E4M3Layout)'."""
+    qdata = comfy_internals.checkpoint_qdata(getattr(mod, "weight", None))  # 0.3.75 keeps no quant_format on it
+    fmt = getattr(mod, "quant_format", None) or (str(qdata.dtype).replace("torch.", "")
+                                                 if isinstance(qdata, torch.Tensor) else "quantized")
+    layout = getattr(mod, "layout_type", None)
+    return f"{fmt} ({layout})" if layout else fmt
+
+
+def kitchen_quantized(dm, replaced=()) -> list[str]:
+    """Parameters held as a tensor subclass other than torchao's (e.g. ComfyUI's QuantizedTensor), except those of
+    modules in `replaced` (object-patch keys such as 'diffusion_model.img_in': swapped in at load, e.g. by Quantize
+    FP8, so the stored module never runs)."""
+    out = []
+    for name, p in dm.named_parameters():
+        if f"diffusion_model.{name.rpartition('.')[0]}" in replaced:
+            continue
+        cls = type(p.data) if isinstance(p, torch.nn.Parameter) else type(p)
+        if cls is not torch.Tensor and not cls.__module__.startswith("torchao"):
+            out.append(f"{name} ({cls.__name__})")
+    return out
+
+
+def require_compatible(model, dm, node: str, quantized_ok: bool = False) -> None:
+    """After resident(): refuse what FluxAccel cannot work on, saying what to do. quantized_ok: the caller
+    (Quantize FP8) handles checkpoint-quantized weights itself."""
+    if is_dynamic(model):
+        raise FluxAccelError(f"{node}: internal error: a dynamic-VRAM model reached FluxAccel without its resident "
+                             f"copy; start ComfyUI with --disable-dynamic-vram and report this.")
+    kitchen = [] if quantized_ok else kitchen_quantized(dm, replaced=set(model.object_patches))
+    if kitchen:
+        raise FluxAccelError(
+            f"{node}: this model's weights are already quantized by ComfyUI's mixed-precision ops "
+            f"({', '.join(kitchen[:3])}{', ...' if len(kitchen) > 3 else ''}). Put Quantize FP8 (FluxAccel) before "
+            f"this node: it re-quantizes such checkpoints (and dequantizes the layers it keeps in bf16).")

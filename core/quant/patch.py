@@ -1,0 +1,331 @@
+"""Module-level FP8: apply quantized Linears to a ComfyUI ModelPatcher clone through object patches.
+
+Why object patches on a clone:
+  * the loaded model (and every other branch or workflow using it) keeps its bf16 Linears; ComfyUI swaps our
+    FP8 modules in when our clone is loaded and restores the originals when another clone is loaded;
+  * the clone gets its own patches_uuid, so switching between it and a plain clone makes ComfyUI unpatch and
+    move the model: only the modules in the live tree go to the GPU, i.e. the FP8 copies, not FP8 + bf16.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from comfy.patcher_extension import WrappersMP
+
+from ..upstream import comfy_internals
+from ..models.loaded import (checkpoint_format, is_checkpoint_quantized, linear_like, require_compatible,
+                           resident)
+from ..env import require_fp8_device, require_torch, require_torchao
+from ..errors import FluxAccelError
+from ..models.flux import on_load_callback_type, partial_load_guard, require_bf16_weights, require_flux, require_fully_loaded
+from .fp8 import DEFAULT_LAYOUT, Fp8Config, is_fp8_linear, linear_weight_bytes, quantize_linear, select_linears
+
+log = logging.getLogger("fluxaccel.fp8")
+
+FP8_KEY = "fluxaccel_fp8"  # ModelPatcher attachment (Fp8State), ON_LOAD callback key
+NODE = "Quantize FP8 (FluxAccel)"
+
+
+@dataclass
+class Fp8Report:
+    granularity: str
+    scope: str
+    device: str
+    quantized: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    bytes_before: int = 0
+    bytes_after: int = 0
+    already_applied: bool = False
+    merged_patches: list[str] = field(default_factory=list)  # weight patches (LoRA, ...) merged before quantizing
+    layout: str = DEFAULT_LAYOUT
+    # a checkpoint already quantized by ComfyUI's mixed-precision ops (scaled FP8, ...): its format -> how many of the
+    # quantized Linears were re-quantized from their dequantized weights; and those outside the scope, now bf16
+    requantized: dict[str, int] = field(default_factory=dict)
+    dequantized: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.bytes_before - self.bytes_after
+
+    def summary(self) -> str:
+        layout = ", plain-tensor layout" if self.layout == "plain" else ""
+        if self.already_applied:
+            head = f"FP8 {self.granularity}/{self.scope}{layout} already applied to this model: nothing done."
+        else:
+            head = f"FP8 {self.granularity}, scope {self.scope}{layout}, on {self.device}:"
+        gib = 1024**3
+        lines = [
+            head,
+            f"quantized {len(self.quantized)} of {len(self.quantized) + len(self.skipped)} Linear layers; "
+            f"weights {self.bytes_before / gib:.3f} GiB -> {self.bytes_after / gib:.3f} GiB "
+            + (f"(saved {self.bytes_saved / gib:.3f} GiB, {self.bytes_saved} bytes)" if self.bytes_saved >= 0 else
+               f"(+{-self.bytes_saved / gib:.3f} GiB: the checkpoint-quantized layers outside the scope are bf16 now)"),
+        ]
+        if self.merged_patches:
+            lines.append(f"merged {len(self.merged_patches)} weight patches (LoRA etc.) into the FP8 weights")
+        for fmt, n in sorted(self.requantized.items()):
+            lines.append(f"checkpoint already quantized ({fmt}): {n} layers re-quantized {self.granularity} from "
+                         f"their dequantized weights (not reused: torchao's {self.granularity} scales differ)")
+        if self.dequantized:
+            shown = ", ".join(self.dequantized[:6]) + (f", ... (+{len(self.dequantized) - 6})"
+                                                       if len(self.dequantized) > 6 else "")
+            lines.append(f"dequantized to bf16 ({len(self.dequantized)}, checkpoint-quantized, outside the scope): "
+                         f"{shown}")
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in self.skipped.items():
+            by_reason.setdefault(reason, []).append(name)
+        for reason, names in sorted(by_reason.items()):
+            shown = ", ".join(names[:6]) + (f", ... (+{len(names) - 6})" if len(names) > 6 else "")
+            lines.append(f"kept in original precision ({len(names)}): {reason}: {shown}")
+        return "\n".join(lines)
+
+
+def _is_ours(obj) -> bool:
+    return isinstance(obj, torch.nn.Linear) and is_fp8_linear(obj)
+
+
+def original_linears(model) -> dict[str, torch.nn.Linear]:
+    """The diffusion model's Linears as this patcher would run them without our FP8 patches.
+
+    The live module tree may hold another clone's applied object patches; ComfyUI keeps the originals of
+    applied patches in object_patches_backup (shared by all clones of one model), so look there first.
+    """
+    out = {}
+    for name, live in model.model.diffusion_model.named_modules():
+        key = f"diffusion_model.{name}"
+        patched = model.object_patches.get(key)
+        if patched is not None and not _is_ours(patched):
+            mod = patched  # someone else's object patch on this clone: quantize what this clone runs
+        else:
+            mod = model.object_patches_backup.get(key, live)
+        if linear_like(mod) and not _is_ours(mod):
+            out[name] = mod
+    return out
+
+
+def _plain_linear(mod, cast: bool = False) -> torch.nn.Linear:
+    """An empty ComfyUI Linear (the class a bf16 checkpoint loads; with cast, the manual-cast one that casts its
+    weight to the activation dtype per call) standing in for a MixedPrecisionOps Linear; its weight and bias are set
+    from the dequantized tensors."""
+    import comfy.ops
+
+    cls = (comfy.ops.manual_cast if cast else comfy.ops.disable_weight_init).Linear
+    lin = cls.__new__(cls)
+    torch.nn.Module.__init__(lin)
+    lin.in_features, lin.out_features = mod.in_features, mod.out_features
+    lin.register_parameter("weight", None)
+    lin.register_parameter("bias", None)
+    return lin
+
+
+def _as_selected(mod):
+    """What layer selection sees of a Linear: a checkpoint-quantized one as the bf16 weight it is quantized from."""
+    if not is_checkpoint_quantized(mod.weight):
+        return mod
+    return SimpleNamespace(weight=torch.empty(tuple(mod.weight.shape), dtype=torch.bfloat16, device="meta"))
+
+
+def _stored_bytes(lin) -> int:
+    w = lin.weight
+    if not is_checkpoint_quantized(w):
+        return linear_weight_bytes(lin)
+    q = comfy_internals.checkpoint_qdata(w)
+    if not isinstance(q, torch.Tensor):  # cannot read the stored data: its bf16 size is an upper bound (only the memory report uses it)
+        return linear_weight_bytes(lin)
+    return q.numel() * q.element_size()
+
+
+def _dequantized_linear(model, lin, name, device, compute_dtype):
+    """A bf16 ComfyUI Linear with the dequantized weight (and this clone's weight patches) of a checkpoint-quantized
+    Linear outside the FP8 scope: compiled models then hold no tensor-subclass weights."""
+    from .fp8 import _detached_copy
+
+    params, merged = _as_this_clone_runs(model, lin, name, device)
+    # the model computes in its manual-cast dtype (e.g. float32 on a CPU): then cast the bf16 weight per call
+    new = _detached_copy(_plain_linear(lin, cast=compute_dtype is not None), device, None, params)
+    return new, merged
+
+
+LATE_PATCH_MESSAGE = (
+    "{node}: this model's Linears are already FP8-quantized, so a LoRA (or another weight patch) cannot be applied "
+    "after Quantize FP8 ({n} patched layers, e.g. {example}). Put LoraLoaderModelOnly (and other weight-patching "
+    "nodes) before Quantize FP8 (FluxAccel): their changes are then merged into the FP8 weights.")
+
+
+def _refuse_late_weight_patches(fp8_modules: list[str], node: str):
+    """A PREPARE_SAMPLING wrapper (ComfyUI's sampler merges the patcher's wrappers and runs it before it loads the
+    model): weight patches on FP8 Linears -- a LoRA added after Quantize FP8 -- are refused with what to do, before
+    ComfyUI would try to patch FP8 data (0.33 casts a Float8Tensor weight first and fails with torchao's
+    "unimplemented operator"). Outside the sampler a plain-layout Linear refuses them itself (convert_weight)."""
+    fp8_weights = {f"{k}.weight" for k in fp8_modules}
+
+    def prepare_sampling(executor, model, *args, **kwargs):
+        hit = sorted(k for k, v in model.patches.items() if v and k in fp8_weights)
+        if hit:
+            raise FluxAccelError(LATE_PATCH_MESSAGE.format(node=node, n=len(hit), example=hit[0]))
+        return executor(model, *args, **kwargs)
+    return prepare_sampling
+
+
+@dataclass(frozen=True)
+class Fp8State:
+    """What Quantize FP8 applied to a clone: a ModelPatcher attachment (FP8_KEY), which ComfyUI's clones share.
+    Never mutated: another config or remove_fp8 makes a new clone."""
+    config: Fp8Config
+    keys: tuple[str, ...]  # the object-patch keys of the quantized (and dequantized) Linears
+    report: Fp8Report
+    merged_patches: "_Kept"  # weight patches merged into the FP8 weights, restored by remove_fp8
+
+
+def fp8_state(model) -> Fp8State | None:
+    """The FP8 state Quantize FP8 put on this model, if any."""
+    return model.get_attachment(FP8_KEY)
+
+
+class _Kept(dict):
+    """Weight patches merged into FP8 weights, kept for remove_fp8: (possibly large, never mutated) tensors, shared
+    rather than copied should anything deep-copy the state."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _string_to_seed():
+    """ComfyUI's per-key rounding seed: comfy.utils on 0.33 (comfy.model_patcher's name there is a shim that logs a
+    warning per call), comfy.model_patcher on 0.3.75."""
+    import comfy.utils
+
+    fn = getattr(comfy.utils, "string_to_seed", None)
+    if fn is None:
+        from comfy.model_patcher import string_to_seed as fn
+    return fn
+
+
+def _as_this_clone_runs(model, lin: torch.nn.Linear, name: str, device: torch.device):
+    """The weight and bias this clone would run for `lin`: the unpatched tensors (ComfyUI's shared backup while
+    another clone's weight patches are applied to the live model) plus this clone's own weight patches (LoRA, ...),
+    computed as ComfyUI's loader does. Returns ({param name: tensor}, merged patch keys)."""
+    import comfy.float
+    import comfy.lora
+
+    string_to_seed = _string_to_seed()
+
+    merged, params = [], {}
+    for p in ("weight", "bias"):
+        t = getattr(lin, p, None)
+        if t is None:
+            continue
+        key = f"diffusion_model.{name}.{p}"
+        bk = model.backup.get(key)
+        if bk is not None:
+            t = bk.weight
+        if is_checkpoint_quantized(t):  # scaled-FP8 / mixed-precision checkpoint: ComfyUI's own dequantization,
+            t = t.dequantize().to(torch.bfloat16)  # in bf16 as a bf16 checkpoint's weights (torchao per_row needs it)
+        if model.patches.get(key):
+            out = comfy.lora.calculate_weight(model.patches[key], t.to(device, torch.float32, copy=True), key)
+            t = comfy.float.stochastic_rounding(out, t.dtype, seed=string_to_seed(key))
+            merged.append(key)
+        params[p] = t
+    return params, merged
+
+
+def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
+    """Return (clone with FP8 Linears, report). The input model is left untouched.
+
+    Quantizing a model that already carries the same FP8 config is a no-op (the same model is returned);
+    a different config re-quantizes from the original bf16 weights, never from FP8.
+    """
+    require_flux(model, node)
+    require_torch(node)
+    require_torchao()
+    model = resident(model, node)  # ComfyUI 0.33's dynamic VRAM: its non-dynamic delegate (comfy_compat.py)
+    dm = require_flux(model, node)
+    require_fully_loaded(model, node)
+    prev = fp8_state(model)
+    if prev is not None and prev.config.key() == cfg.key():
+        report = dataclasses.replace(prev.report, already_applied=True)
+        log.info("%s", report.summary())
+        return model, report
+    if prev is not None:  # another FP8 config: start again from the model as it was before quantization
+        model = remove_fp8(model)
+    device = torch.device(model.load_device)
+    require_fp8_device(device)
+    require_compatible(model, dm, node, quantized_ok=True)
+
+    originals = original_linears(model)
+    require_bf16_weights([m for m in originals.values() if not is_checkpoint_quantized(m.weight)], node)
+    compute_dtype = getattr(model.model, "manual_cast_dtype", None)
+    sel = select_linears(((n, _as_selected(m)) for n, m in originals.items()), cfg)
+
+    clone = model.clone()
+    report = Fp8Report(cfg.granularity, cfg.scope, str(device), skipped=dict(sel.skipped), layout=cfg.layout)
+    keys, merged = [], _Kept()
+    for name in sel.chosen:
+        lin = originals[name]
+        params, merged_keys = _as_this_clone_runs(model, lin, name, device)
+        if is_checkpoint_quantized(lin.weight):
+            fmt = checkpoint_format(lin)
+            report.requantized[fmt] = report.requantized.get(fmt, 0) + 1
+        for k in merged_keys:  # now inside the FP8 weights; kept aside for remove_fp8 (the Benchmark baseline)
+            merged[k] = clone.patches.pop(k)
+        report.merged_patches += merged_keys
+        # quantize on the GPU (fast), then park the FP8 copy where ComfyUI keeps unloaded weights: the GPU
+        # then holds only what ComfyUI itself loads (and accounts for), e.g. not two FP8 variants at once.
+        base = lin if isinstance(lin, torch.nn.Linear) else _plain_linear(lin)
+        q = quantize_linear(base, cfg, device, compute_dtype, params).to(model.offload_device)
+        key = f"diffusion_model.{name}"
+        clone.add_object_patch(key, q)
+        keys.append(key)
+        report.quantized.append(name)
+        report.bytes_before += _stored_bytes(lin)
+        report.bytes_after += linear_weight_bytes(q)
+    for name in sel.skipped:
+        lin = originals[name]
+        if not is_checkpoint_quantized(lin.weight):
+            continue
+        new, merged_keys = _dequantized_linear(model, lin, name, device, compute_dtype)
+        for k in merged_keys:
+            merged[k] = clone.patches.pop(k)
+        report.merged_patches += merged_keys
+        key = f"diffusion_model.{name}"
+        clone.add_object_patch(key, new.to(model.offload_device))
+        keys.append(key)
+        report.dequantized.append(name)
+        report.bytes_before += _stored_bytes(lin)
+        report.bytes_after += linear_weight_bytes(new)
+    if not report.quantized:
+        raise FluxAccelError(f"{node}: no Linear layer matched scope '{cfg.scope}'; choose scope all_linear.")
+    # A fresh patches_uuid makes ComfyUI unpatch/move the model when it switches between this clone and
+    # another one, so the GPU holds only the weights of the clone being run.
+    clone.patches_uuid = uuid.uuid4()
+    clone.size = max(1, model.model_size() - report.bytes_saved)
+    # FP8 weights cannot be streamed per layer by ComfyUI's lowvram path
+    clone.add_callback_with_key(on_load_callback_type(), FP8_KEY, partial_load_guard(node))
+    fp8_keys = [f"diffusion_model.{n}" for n in report.quantized]  # the dequantized bf16 ones can take patches
+    clone.add_wrapper_with_key(WrappersMP.PREPARE_SAMPLING, FP8_KEY, _refuse_late_weight_patches(fp8_keys, node))
+    clone.set_attachments(FP8_KEY, Fp8State(cfg, tuple(keys), report, merged))
+    log.info("%s", report.summary())
+    return clone, report
+
+
+def remove_fp8(model):
+    """A clone of `model` running its original Linears again (the default Benchmark baseline)."""
+    prev = fp8_state(model)
+    if prev is None:
+        return model
+    clone = model.clone()
+    for key in prev.keys:
+        clone.object_patches.pop(key, None)
+    for key, patches in prev.merged_patches.items():
+        clone.patches[key] = list(patches)
+    clone.remove_callbacks_with_key(on_load_callback_type(), FP8_KEY)
+    clone.remove_wrappers_with_key(WrappersMP.PREPARE_SAMPLING, FP8_KEY)
+    clone.remove_attachments(FP8_KEY)
+    clone.patches_uuid = uuid.uuid4()
+    clone.size = model.model_size() + prev.report.bytes_saved
+    return clone

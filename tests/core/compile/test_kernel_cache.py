@@ -1,0 +1,161 @@
+"""core/compile_cache.py: a fresh process reuses the saved artifacts; foreign/corrupt files are ignored (warm-start
+packages off: tests/core/test_warm_start.py has those).
+
+Each run is a new Python process with its own empty TORCHINDUCTOR_CACHE_DIR, so a cache hit can only come from
+FluxAccel's file."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from conftest import ROOT
+from support.runs import NEW_PROCESS_PRELUDE
+
+SCRIPT = NEW_PROCESS_PRELUDE + textwrap.dedent(r"""
+    with torch.inference_mode():
+        c = CompiledFlux(dm, CompileConfig(warm_start=False), torch.device("cpu"))
+        out = c(x, t, context=ctx, y=y, guidance=gd)
+        ref = dm(x, t, context=ctx, y=y, guidance=gd)
+    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+    print("RESULT", json.dumps({{"loaded": c.stats.cache_loaded, "hits": counters["inductor"]["fxgraph_cache_hit"],
+                                "misses": counters["inductor"]["fxgraph_cache_miss"], "err": err}}))
+""")
+
+
+def _run(tmp_path, cache_dir, n):
+    env = {**os.environ, "FLUXACCEL_CACHE_DIR": str(cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor{n}")}
+    p = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT))], capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = next(l for l in p.stdout.splitlines() if l.startswith("RESULT"))
+    return json.loads(line.split(" ", 1)[1]), p.stderr
+
+
+def test_fresh_process_hits_the_saved_cache_and_ignores_bad_files(tmp_path, caplog):
+    cache = tmp_path / "cache"
+    first, _ = _run(tmp_path, cache, 1)
+    assert not first["loaded"] and first["misses"] >= 1 and first["hits"] == 0
+    files = list(cache.glob("*.bin"))
+    assert len(files) == 1
+    second, _ = _run(tmp_path, cache, 2)
+    assert second["loaded"] and second["hits"] >= 1 and second["misses"] == 0
+    assert second["err"] < 2e-2
+    # a corrupt and a foreign file under the same key: refused with a warning before anything reaches inductor (the
+    # compile that follows a refused load is the first run's, checked above)
+    from fluxaccel.core.compile.kernel_cache import KernelCache
+
+    key = files[0].stem
+    for blob, says in ((b"FLUXACCEL-COMPILE-CACHE 1\n" + b"{not json", "ignoring unusable compile cache"),
+                       (b"\x89PNG something else entirely", "not a FluxAccel compile-cache file"),
+                       (b"FLUXACCEL-COMPILE-CACHE 1\n" + b'{"key": "another"}\n' + b"x", "written for another model")):
+        files[0].write_bytes(blob)
+        caplog.clear()
+        c = KernelCache(key, directory=cache)
+        assert c.path == files[0] and c.load() is False
+        assert says in caplog.text, caplog.text
+
+
+def test_clear_removes_only_our_files(tmp_path):
+    from fluxaccel.core.compile.kernel_cache import MAGIC, clear
+
+    (tmp_path / "a.bin").write_bytes(MAGIC + b"{}\n")
+    (tmp_path / "b.bin").write_bytes(b"someone else's")
+    (tmp_path / "c.txt").write_bytes(MAGIC)
+    assert clear(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin", "c.txt"]
+
+
+def test_fp8_variants_of_one_model_get_their_own_cache_files(cpu_fp8, tiny_flux):
+    """The Compile node sees the unpatched module (FP8 object patches apply at load time); the cache key must
+    still tell bf16, FP8 per-tensor and FP8 per-row apart, else each compile overwrote the others' file
+    (seen on the H200: a per-tensor model 'loaded' the bf16 model's cache)."""
+    from fluxaccel.core.compile.config import CompileConfig
+    from fluxaccel.core.compile.patch import apply_compile
+    from fluxaccel.core.quant.fp8 import Fp8Config
+    from fluxaccel.core.quant.patch import apply_fp8
+
+    models = {"bf16": tiny_flux}
+    for gran in ("per_tensor", "per_row"):
+        models[gran], _ = apply_fp8(tiny_flux, Fp8Config(gran))
+    paths = {name: apply_compile(m, CompileConfig(cuda_graphs=False))[1].cache.path for name, m in models.items()}
+    assert len(set(paths.values())) == 3, paths
+    again = apply_compile(models["per_row"], CompileConfig(cuda_graphs=False))[1].cache.path
+    assert again == paths["per_row"]
+
+
+def _artifact_keys(path) -> set:
+    from torch.compiler._cache import CacheArtifactManager
+
+    from fluxaccel.core.compile.kernel_cache import MAGIC
+
+    payload = path.read_bytes()[len(MAGIC):].partition(b"\n")[2]
+    return {(kind, a.key) for kind, items in CacheArtifactManager.deserialize(payload).items() for a in items}
+
+
+def test_each_file_holds_only_its_own_models_artifacts(cpu_fp8, tiny_flux, tmp_path, monkeypatch):
+    """torch keeps one process-wide list of compile artifacts; a file must not carry the other models' (three models
+    used to give files of 1x, 2x and 3x the size, and loading one key loaded them all)."""
+    from fluxaccel.core.compile.config import CompileConfig
+    from fluxaccel.core.compile.patch import apply_compile
+    from fluxaccel.core.quant.fp8 import Fp8Config
+    from fluxaccel.core.quant.patch import apply_fp8
+    from support.runs import denoise_once
+
+    monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    fp8, _ = apply_fp8(tiny_flux, Fp8Config("per_tensor"))
+    files = []
+    for m in (tiny_flux, fp8):
+        clone, c = apply_compile(m, CompileConfig(cuda_graphs=False, block_regions=False))
+        denoise_once(clone)
+        files.append(c.cache.path)
+    first, second = (_artifact_keys(f) for f in files)
+    assert first and second and not (first & second), "the second file repeats the first model's artifacts"
+
+
+def test_cache_key_does_not_depend_on_which_clone_is_loaded(cpu_fp8, tiny_flux):
+    """The key is read from the patcher, not from the live module tree, which holds the FP8 object patches of
+    whichever clone ComfyUI loaded last."""
+    from fluxaccel.core.compile.config import CompileConfig
+    from fluxaccel.core.compile.patch import apply_compile
+    from fluxaccel.core.quant.fp8 import Fp8Config
+    from fluxaccel.core.quant.patch import apply_fp8
+
+    cfg = CompileConfig(cuda_graphs=False)
+    fp8, _ = apply_fp8(tiny_flux, Fp8Config("per_row"))
+    plain_key, fp8_key = (apply_compile(m, cfg)[1].cache.key for m in (tiny_flux, fp8))
+    fp8.patch_model()  # another branch's FP8 clone is what the shared module holds now
+    try:
+        assert apply_compile(tiny_flux, cfg)[1].cache.key == plain_key
+        assert apply_compile(fp8, cfg)[1].cache.key == fp8_key != plain_key
+    finally:
+        fp8.unpatch_model()
+
+
+def test_a_restart_that_meets_fewer_shapes_keeps_the_others(tiny_flux, tmp_path, monkeypatch):
+    """One compiled model meets two shapes and saves its file; a new one with the same key (a restarted ComfyUI)
+    loads the file, compiles only the first shape and saves again: the file still holds both shapes' artifacts."""
+    from fluxaccel.core.compile.config import CompileConfig
+    from fluxaccel.core.compile.compiled import CompiledFlux
+    from support.runs import flux_inputs
+
+    monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path))
+    dm = tiny_flux.model.diffusion_model
+    cfg = CompileConfig(cuda_graphs=False, warm_start=False, resolution_policy="recompile", block_regions=False)
+
+    def run(c, hw):
+        x, t, ctx, y, guidance = flux_inputs(dm, hw=hw)
+        c(x, t, context=ctx, y=y, guidance=guidance)
+
+    torch._dynamo.reset()
+    first = CompiledFlux(dm, cfg, torch.device("cpu"))
+    run(first, 16), run(first, 24)
+    both = _artifact_keys(first.cache.path)
+    torch._dynamo.reset()
+    again = CompiledFlux(dm, cfg, torch.device("cpu"))
+    assert again.stats.cache_loaded and again.cache.path == first.cache.path
+    run(again, 16)
+    assert len(both) > 1 and _artifact_keys(again.cache.path) >= both, "the restart's save dropped a shape"

@@ -1,0 +1,57 @@
+"""core/compile_progress.py: the phase of a compile read off torch's own timers, reported while the compile runs."""
+import re
+
+import torch
+
+from fluxaccel.core.compile.config import CompileConfig
+
+from fluxaccel.core.compile.compiled import CompiledFlux
+from fluxaccel.core.compile.progress import FIRST_RUN, PHASES, phase
+from support.runs import flux_inputs
+
+
+def test_phase_is_the_first_whose_timer_has_not_moved():
+    before = {"bytecode_tracing": 3, "GraphLowering.run": 1}
+    assert phase(before, dict(before)) == "tracing the model (dynamo)"
+    assert phase(before, {**before, "bytecode_tracing": 4}) == "AOT autograd and lowering (inductor)"
+    assert phase({}, {timer: 1 for timer, _ in PHASES}) == FIRST_RUN
+
+
+def test_a_process_that_never_compiled_reads_its_first_phase(monkeypatch):
+    """torch's timers are an empty dict before the process's first compile: that is 'nothing ended yet' (the first
+    phase), not 'timers unavailable' (H200, 2026-12-02: a restarted server's progress said 'phase unknown')."""
+    from fluxaccel.core.compile import progress as compile_progress
+    from fluxaccel.core.upstream import torch_internals
+
+    monkeypatch.setattr(torch_internals, "compile_timers", lambda: {})
+    counts = compile_progress._counts()
+    assert counts == {timer: 0 for timer, _ in PHASES}
+    assert phase(counts, counts) == "tracing the model (dynamo)"
+
+
+def test_a_real_compile_reports_its_phases_until_ready(tiny_flux):
+    """Reports every second from a watcher thread while the sampler's thread compiles; a report that raises (an editor
+    that went away) stops neither the reports nor the compile."""
+    dm = tiny_flux.model.diffusion_model
+    c = CompiledFlux(dm, CompileConfig(cuda_graphs=False, persistent_cache=False), torch.device("cpu"))
+    seen = []
+
+    def report(text, seconds):
+        seen.append((text, seconds))
+        if len(seen) == 2:
+            raise ConnectionError("the editor went away")
+
+    c.on_progress = report
+    x, t, ctx, y, guidance = flux_inputs(dm)
+    out = c(x, t, context=ctx, y=y, guidance=guidance)
+    assert torch.isfinite(out).all() and c.stats.calls == 1
+    texts = [s for s, _ in seen]
+    what = "batch 1, latent 16x16 (128x128 px), 16 text tokens, bfloat16"
+    assert texts[0] == f"compiling {what}: 0 s, tracing the model (dynamo)", texts
+    assert re.fullmatch(rf"compiling {re.escape(what)}: ready after [\d.]+ s", texts[-1]), texts
+    assert len(seen) >= 3 and [s for _, s in seen] == sorted(s for _, s in seen), seen
+    phases = {s.split(" s, ", 1)[1] for s in texts[1:-1]}
+    assert phases and phases <= {w for _, w in PHASES} | {FIRST_RUN}, phases
+    n = len(seen)
+    c(x, t, context=ctx, y=y, guidance=guidance)
+    assert len(seen) == n, "a warm call compiles nothing and reports nothing"

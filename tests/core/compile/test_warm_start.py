@@ -1,0 +1,130 @@
+"""core/warm_start.py: a new process runs a saved shape without tracing, bit-identical; bad files are refused.
+
+Processes here are new Python interpreters, each with its own empty TORCHINDUCTOR_CACHE_DIR, sharing one FluxAccel
+cache folder (as ComfyUI workers of one machine would)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import ROOT
+from support.runs import NEW_PROCESS_PRELUDE
+
+SCRIPT = NEW_PROCESS_PRELUDE + textwrap.dedent(r"""
+    with torch.inference_mode():
+        c = CompiledFlux(dm, CompileConfig(), torch.device("cpu"))
+        out = c(x, t, context=ctx, y=y, guidance=gd)
+        again = c(x, t * 0.5, context=ctx, y=y, guidance=gd)
+    torch.save({{"out": out, "again": again}}, {out!r})
+    print("RESULT", json.dumps({{"warm_start": list(c.stats.warm_start.values()),
+                                "traced_frames": counters["stats"]["unique_graphs"],
+                                "calls_captured": counters["stats"]["calls_captured"]}}))
+""")
+
+
+def _start(tmp_path, cache_dir, n, own_inductor_cache=True):
+    """Process n; with own_inductor_cache an empty TORCHINDUCTOR_CACHE_DIR of its own (nothing but the package can
+    spare it work), else the test session's (its kernels already built by earlier tests: the compile is quicker)."""
+    env = {**os.environ, "FLUXACCEL_CACHE_DIR": str(cache_dir)}
+    if own_inductor_cache:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / f"inductor{n}")
+    script = SCRIPT.format(root=str(ROOT), out=str(tmp_path / f"out{n}.pt"))
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def _result(p):
+    out, err = p.communicate(timeout=900)
+    assert p.returncode == 0, err[-3000:]
+    line = next(l for l in out.splitlines() if l.startswith("RESULT"))
+    return json.loads(line.split(" ", 1)[1]), err
+
+
+def test_two_workers_compile_at_once_then_a_third_starts_warm(tmp_path):
+    """Two processes start together on an empty folder: both compile, both write the same package (temporary name,
+    rename), both outputs are right. A third process, with an empty inductor cache of its own, then loads it: no
+    dynamo trace at all (counters), the same outputs bit for bit as the process that compiled it."""
+    cache = tmp_path / "cache"
+    a, b = _start(tmp_path, cache, 1, own_inductor_cache=False), _start(tmp_path, cache, 2, own_inductor_cache=False)
+    (ra, _), (rb, _) = _result(a), _result(b)
+    for r in (ra, rb):
+        assert r["warm_start"] == ["saved"] and r["traced_frames"] == 1, r
+    files = list(cache.glob("*.warm"))
+    assert len(files) == 1 and not list(cache.glob("*.tmp*")), sorted(p.name for p in cache.iterdir())
+    rc, log = _result(_start(tmp_path, cache, 3))
+    assert rc == {"warm_start": ["loaded"], "traced_frames": 0, "calls_captured": 0}, rc
+    assert "loaded warm-start package" in log
+    first, warm = (torch.load(tmp_path / f"out{n}.pt") for n in (1, 3))
+    for k in ("out", "again"):
+        assert torch.equal(first[k], warm[k]), k
+    two = torch.load(tmp_path / "out2.pt")
+    assert torch.equal(first["out"], two["out"])
+
+
+def _package(tmp_path, key="k" * 32, sig="s" * 16, **meta):
+    from fluxaccel.core.compile.warm_start import MAGIC, WarmStart
+
+    w = WarmStart(key, tmp_path)
+    header = {"key": key, "signature": sig, **meta}
+    return w, w.path(sig), MAGIC + json.dumps(header).encode() + b"\n"
+
+
+@pytest.mark.parametrize("case", ["not ours", "foreign key", "other signature", "stale source", "corrupt"])
+def test_unusable_packages_are_refused_with_a_warning(tmp_path, caplog, case):
+    w, path, head = _package(tmp_path)
+    if case == "not ours":
+        path.write_bytes(b"\x89PNG something else")
+        says = "not a FluxAccel warm-start file"
+    elif case == "foreign key":
+        path.write_bytes(head.replace(b'"' + b"k" * 32, b'"' + b"x" * 32) + b"payload")
+        says = "written for another model"
+    elif case == "other signature":
+        path.write_bytes(head.replace(b"s" * 16, b"t" * 16) + b"payload")
+        says = "written for another model"
+    elif case == "stale source":
+        _, _, head = _package(tmp_path, sources={"core.rope": "0" * 64})
+        path.write_bytes(head + b"payload")
+        says = "stale: the source of core.rope changed"
+    else:
+        path.write_bytes(head + b"\x00\x01 not a pickle")
+        says = "ignoring unusable warm-start package"
+    with caplog.at_level("WARNING", logger="fluxaccel.cache"):
+        assert w.load("s" * 16) is None
+    assert says in caplog.text and "compiling this shape" in caplog.text, caplog.text
+
+
+def test_missing_package_is_silent(tmp_path, caplog):
+    w, _, _ = _package(tmp_path)
+    with caplog.at_level("WARNING", logger="fluxaccel.cache"):
+        assert w.load("s" * 16) is None
+    assert not caplog.records
+
+
+def _module_level_fn(func, *a, **k):
+    return func(*a, **k)
+
+
+def test_signature_tells_calls_apart_and_refuses_what_a_package_cannot_stand_for():
+    from fluxaccel.core.compile.warm_start import NotPackageable, signature
+
+    x = torch.zeros(1, 16, 8, 8, dtype=torch.bfloat16)
+    base = signature((x, torch.zeros(1)), {"context": torch.zeros(1, 4, 64), "options": {"attn": _module_level_fn}})
+    same = signature((x.clone(), torch.ones(1)), {"context": torch.ones(1, 4, 64), "options": {"attn": _module_level_fn}})
+    assert base == same  # values do not matter, only structure
+    others = [signature((x.float(), torch.zeros(1)), {"context": torch.zeros(1, 4, 64)}),
+              signature((x[:, :, :4], torch.zeros(1)), {"context": torch.zeros(1, 4, 64)}),
+              signature((x, torch.zeros(1)), {"context": torch.zeros(1, 5, 64)}),
+              signature((x, torch.zeros(1)), {"context": torch.zeros(1, 4, 64), "guidance": None}),
+              signature((x, torch.zeros(1)), {"context": torch.zeros(1, 4, 64), "options": {"rope": {"scale": 2.0}}})]
+    assert len({base, *others}) == 1 + len(others)
+    with torch.enable_grad():  # the autograd mode is part of it (packages are compiled under inference mode)
+        g_on = signature((x,), {})
+    with torch.inference_mode():
+        assert signature((x,), {}) != g_on
+    for bad in (lambda f, *a: f(*a), _module_level_fn.__get__(object()), object()):
+        with pytest.raises(NotPackageable, match=r"kwargs\.options\.attn"):
+            signature((x,), {"options": {"attn": bad}})

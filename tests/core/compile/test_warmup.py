@@ -1,0 +1,76 @@
+"""core/warmup.py: shapes registered and compiled before the real run; the real run compiles nothing."""
+import pytest
+import torch
+
+from fluxaccel.core.compile.config import CompileConfig
+
+from fluxaccel.core.compile.shapes import ShapeKey
+from fluxaccel.core.compile.patch import apply_compile, compiled_of
+from fluxaccel.core.errors import FluxAccelError
+from support.models import synthetic_conditioning
+from fluxaccel.core.compile.warmup import parse_resolutions, warmup
+from support.runs import clear_compile_counters, compiled_graphs
+
+
+def test_parse_resolutions():
+    assert parse_resolutions("1024x1024, 832x1216") == [(1024, 1024), (832, 1216)]
+    assert parse_resolutions(" 128X128;128x128  64×64") == [(128, 128), (64, 64)]
+    with pytest.raises(FluxAccelError, match="multiples of 16"):
+        parse_resolutions("1000x1000")
+    with pytest.raises(FluxAccelError, match="WIDTHxHEIGHT"):
+        parse_resolutions("big")
+
+
+def test_warmup_then_real_runs_compile_nothing(tiny_flux):
+    import comfy.sample
+
+    clear_compile_counters()
+    torch._dynamo.reset()
+    upstream, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict"))
+    ticks = []
+    model, secs = warmup(upstream, [(128, 128), (128, 192)], text_length=16, cfg=1.0, steps=2,
+                         on_step=lambda: ticks.append(1))
+    assert len(ticks) == 4 and len(secs) == 2 and all(s > 0 for s in secs.values())
+    assert compiled_of(model).stats.shapes == [ShapeKey(1, 16, 16, 16, "bfloat16"), ShapeKey(1, 24, 16, 16, "bfloat16")]
+    assert compiled.stats.shapes == [] and compiled_of(model) is not compiled, "the Compile node's output is unchanged"
+    assert compiled.stats.compile_seconds.keys() == compiled_of(model).stats.compile_seconds.keys(), \
+        "what the shared compiled callable compiled is known to both (no second 'compiled' for a shared shape)"
+    graphs = compiled_graphs()
+    assert graphs == 2  # one graph per warmed shape (traced, or loaded from an earlier test's package)
+    pos = synthetic_conditioning("tiny", text_len=16, seed=42)
+    for h, w in ((16, 16), (24, 16)):  # the user's prompts: other text, other seed, both warmed shapes
+        latent = torch.zeros(1, 16, h, w)
+        comfy.sample.sample(model, comfy.sample.prepare_noise(latent, 7), 3, 1.0, "euler", "simple", pos, pos, latent,
+                            disable_pbar=True, seed=7)
+    assert compiled_graphs() == graphs, "warmed shapes must not compile again"
+    with pytest.raises(FluxAccelError, match="compiled for batch 1, latent 16x16 .*; batch 1, latent 24x16"):
+        latent = torch.zeros(1, 16, 32, 32)
+        comfy.sample.sample(model, latent, 1, 1.0, "euler", "simple", pos, pos, latent, disable_pbar=True, seed=0)
+    torch._dynamo.reset()
+
+
+def test_warmup_respects_max_shapes_and_a_failed_one_leaves_the_input_as_it_was(tiny_flux):
+    model, compiled = apply_compile(tiny_flux, CompileConfig(max_shapes=1))
+    with pytest.raises(FluxAccelError, match="more shapes than the Compile node's max_shapes \\(1\\)"):
+        warmup(model, [(128, 128), (192, 128)], text_length=16, steps=1)
+    assert compiled.stats.shapes == [] and compiled.stats.calls == 0
+
+
+def test_a_sibling_branch_of_the_compile_output_keeps_its_strict_policy(tiny_flux):
+    """Compile -> Warmup (two shapes) in one branch, the same Compile output straight into a KSampler in another:
+    the sibling is strict (its first shape only), and reuses the warmed graph for it (no new compile)."""
+    import comfy.sample
+
+    clear_compile_counters()
+    torch._dynamo.reset()
+    upstream, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict"))
+    warmup(upstream, [(128, 128), (128, 192)], text_length=16, steps=1)
+    graphs = compiled_graphs()
+    pos = synthetic_conditioning("tiny", text_len=16, seed=42)
+    latent = torch.zeros(1, 16, 16, 16)
+    comfy.sample.sample(upstream, latent, 1, 1.0, "euler", "simple", pos, pos, latent, disable_pbar=True, seed=0)
+    assert compiled_graphs() == graphs
+    with pytest.raises(FluxAccelError, match="compiled for batch 1, latent 16x16 .*, but received batch 1, latent 24x16"):
+        latent = torch.zeros(1, 16, 24, 16)
+        comfy.sample.sample(upstream, latent, 1, 1.0, "euler", "simple", pos, pos, latent, disable_pbar=True, seed=0)
+    torch._dynamo.reset()

@@ -1,0 +1,218 @@
+"""core/upstream: each adapter function with the upstream name it reads removed or renamed. The function answers
+"not available" (no AttributeError/ImportError), the log says once what is missing and what FluxAccel does instead,
+and the nodes still run -- or refuse with a message that says what to do.
+
+ComfyUI and torchao names are deleted from the real modules (monkeypatch.delattr). torch's dynamo/inductor names are
+hidden from the adapter's lookup instead (`hide`): torch's own compiler keeps using them while it compiles.
+"""
+import logging
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fluxaccel.core import upstream
+from fluxaccel.core.compile.config import CompileConfig
+from fluxaccel.core.compile.patch import apply_compile, compiled_of, regional_compiles
+from fluxaccel.core.errors import FluxAccelError
+from fluxaccel.core.upstream import Unavailable, comfy_internals, torch_internals, torchao_internals
+from support.runs import denoise_once
+
+
+@pytest.fixture(autouse=True)
+def _fresh_said():
+    upstream.forget()
+    yield
+    upstream.forget()
+
+
+def hide(monkeypatch, *paths):
+    """torch names (dotted, below torch) that the adapter's lookup no longer finds, as if torch renamed them."""
+    real = torch_internals._attr
+    monkeypatch.setattr(torch_internals, "_attr", lambda p: torch_internals._missing(p) if p in paths else real(p))
+
+
+def said(caplog, *words) -> bool:
+    return any(all(w in r.getMessage() for w in words) for r in caplog.records if r.name == "fluxaccel.upstream")
+
+
+# -- ComfyUI ----------------------------------------------------------------------------------------------------------
+def test_core_graph_modules_without_core_registries(monkeypatch, tiny_flux, caplog):
+    import comfy.model_prefetch as prefetch
+
+    for name in ("GRAPH_MODULES", "GRAPH_WARMED_MODULES"):
+        if hasattr(prefetch, name):
+            monkeypatch.delattr(prefetch, name)
+    dm = tiny_flux.model.diffusion_model
+    assert comfy_internals.core_graph_modules(dm) == []
+    assert said(caplog, "GRAPH_WARMED_MODULES", "only captured ones are checked")
+    monkeypatch.setattr(dm.double_blocks[0], "_comfy_graph", {"graph": None}, raising=False)
+    assert comfy_internals.core_graph_modules(dm) == ["diffusion_model.double_blocks.0"]
+    with pytest.raises(FluxAccelError, match="per-block CUDA graph on diffusion_model.double_blocks.0"):
+        apply_compile(tiny_flux, CompileConfig(cuda_graphs=True))
+
+
+def test_model_compiler_state_without_its_registry(monkeypatch):
+    import comfy.model_prefetch as prefetch
+
+    monkeypatch.setattr(prefetch, "malloc_graph_begin", lambda device: None, raising=False)  # a compiler is there
+    if hasattr(prefetch, "MALLOC_GRAPHS"):
+        monkeypatch.delattr(prefetch, "MALLOC_GRAPHS")
+    state = comfy_internals.model_compiler_recording()
+    assert isinstance(state, Unavailable) and "MALLOC_GRAPHS" in str(state)
+
+
+def test_compiled_model_runs_with_comfy_internals_missing(monkeypatch, tiny_flux, caplog):
+    """No pause_malloc_graph while a recording is active, and no plain RoPE formula: the compiled model still runs,
+    equal to eager within float tolerance; each missing name is said once, the unknown compiler state counted."""
+    import comfy.ldm.flux.math as fm
+    import comfy.model_prefetch as prefetch
+
+    ref = denoise_once(tiny_flux, hw=8)
+    events = []
+    rec = SimpleNamespace(_comfy_active=True, pause=lambda sync=False: events.append("pause"),
+                          resume=lambda sync=False: events.append("resume"))
+    monkeypatch.setattr(prefetch, "MALLOC_GRAPHS", {threading.get_ident(): rec}, raising=False)
+    if hasattr(prefetch, "pause_malloc_graph"):
+        monkeypatch.delattr(prefetch, "pause_malloc_graph")
+    if hasattr(fm, "_apply_rope1"):
+        monkeypatch.delattr(fm, "_apply_rope1")
+    clone, compiled = apply_compile(tiny_flux, CompileConfig(cuda_graphs=False, block_regions=False,
+                                                             persistent_cache=False))
+    out = denoise_once(clone, hw=8)
+    assert (out - ref).norm() / ref.norm() < 2e-2
+    assert compiled.stats.model_compiler_unknown == compiled.stats.calls >= 1 and events == []
+    assert said(caplog, "pause_malloc_graph", "--disable-comfy-compiler")
+    from fluxaccel.core.patches import describe
+
+    shown = describe(clone)
+    assert shown["compile"]["model_compiler_unknown_calls"] == compiled.stats.calls
+    assert any("pause_malloc_graph" in d and "--disable-comfy-compiler" in d for d in shown["degradations"])
+    if comfy_internals.flux_plain_rope1() is not None:  # ComfyUI with kitchen RoPE (0.33+)
+        assert said(caplog, "_apply_rope1", "comfy-kitchen's RoPE op")
+
+
+def test_checkpoint_qdata_missing():
+    from fluxaccel.core.models.loaded import checkpoint_format
+
+    got = comfy_internals.checkpoint_qdata(torch.zeros(2, 2))
+    assert isinstance(got, Unavailable) and "_qdata" in str(got)
+    assert checkpoint_format(SimpleNamespace(weight=torch.zeros(2, 2))) == "quantized"
+
+
+def test_compile_wrapper_keys_unreadable(tiny_flux):
+    from comfy.patcher_extension import WrappersMP
+
+    m = tiny_flux.clone()
+    m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, comfy_internals.COMFY_COMPILE_KEY, lambda executor, *a, **k: None)
+    assert isinstance(comfy_internals.compile_wrapper_keys(lambda: None), Unavailable)
+    found = regional_compiles(m)
+    assert len(found) == 1 and "ComfyUI torch.compile wrapper on ? (" in found[0]
+    with pytest.raises(FluxAccelError, match="already carries a per-block.*turn cuda_graphs off"):
+        apply_compile(m, CompileConfig(cuda_graphs=True))
+
+
+# -- torch ------------------------------------------------------------------------------------------------------------
+def test_mode_options_missing(monkeypatch):
+    hide(monkeypatch, "torch._inductor.list_mode_options")
+    assert isinstance(torch_internals.mode_options("max-autotune"), Unavailable)
+    assert CompileConfig(mode="default").inductor_options(torch.device("cpu"))["triton.cudagraphs"] is False
+    with pytest.raises(FluxAccelError, match="mode 'max-autotune' cannot be expanded.*set mode to 'default'"):
+        CompileConfig(mode="max-autotune").inductor_options(torch.device("cpu"))
+
+
+def test_dynamo_config_missing(monkeypatch, caplog):
+    hide(monkeypatch, "torch._dynamo.config")
+    with torch_internals.recompile_budget(1024):
+        pass
+    assert said(caplog, "recompile_limit", "past it a new shape runs uncompiled")
+    with torch_internals.enable_aot_compile():
+        pass
+    assert torch_internals.dynamo_config_value("recompile_limit", "x") == "x"
+
+
+def test_compile_facts_missing_say_cannot_tell(monkeypatch, tiny_flux, caplog):
+    """Counters, timers, the cudagraph-trees manager, the re-record limit, OptimizedModule, the artifact manager:
+    a compile still runs and writes its cache file (torch's public save_cache_artifacts), and what cannot be told is
+    said, never guessed."""
+    from fluxaccel.core.compile import telemetry as cc
+    from fluxaccel.core.compile.kernel_cache import KernelCache
+    from fluxaccel.core.compile.progress import UNKNOWN_PHASE, phase, _counts
+
+    hide(monkeypatch, "torch._dynamo.utils.counters", "torch._dynamo.utils.compilation_time_metrics",
+         "torch._inductor.cudagraph_trees.get_manager", "torch._inductor.config.triton.cudagraph_unexpected_rerecord_limit",
+         "torch._dynamo.eval_frame.OptimizedModule", "torch.compiler._cache.CacheArtifactManager")
+    assert cc.cudagraph_skips() is None and cc.graph_recordings(torch.device("cpu")) is None
+    assert isinstance(torch_internals.cudagraph_rerecord_limit(), Unavailable)
+    assert _counts() is None and phase(_counts(), _counts()) == UNKNOWN_PHASE and cc.phase_totals() == {}
+    assert torch_internals.is_compiled_module(torch.nn.Linear(2, 2)) is False
+    assert isinstance(torch_internals.per_compile_artifacts(), Unavailable)
+    clone, compiled = apply_compile(tiny_flux, CompileConfig(cuda_graphs=False, block_regions=False, warm_start=False))
+    ref = denoise_once(tiny_flux, hw=8)
+    out = denoise_once(clone, hw=8)
+    assert (out - ref).norm() / ref.norm() < 2e-2 and compiled.stats.compile_seconds
+    assert compiled.cache.path.is_file() and KernelCache(compiled.cache.key, compiled.cache.dir).load()
+    for words in (("counters", "cannot tell whether inductor compiled"), ("cudagraph_trees.get_manager",),
+                  ("compilation_time_metrics", "not split by phase"), ("OptimizedModule", "not recognised"),
+                  ("CacheArtifactManager", "every artifact this process compiled")):
+        assert said(caplog, *words), words
+
+
+def test_aot_compile_missing(monkeypatch, tiny_flux):
+    monkeypatch.delattr(torch.compiler, "load_compiled_function")
+    from fluxaccel.core.compile import warm_start
+
+    ok, why = warm_start.available()
+    assert not ok and "load_compiled_function" in why
+    _, compiled = apply_compile(tiny_flux, CompileConfig(cuda_graphs=False))
+    assert compiled.runner.packages is None and "load_compiled_function" in compiled.stats.warm_start_off
+
+
+# -- torchao ----------------------------------------------------------------------------------------------------------
+def test_fp8_gate_missing_refuses_fp8_off_the_gpu(monkeypatch, tiny_flux, caplog):
+    import torchao.quantization.quant_api as qa
+
+    from fluxaccel.core.env import torchao_fp8_here
+    from fluxaccel.core.quant.fp8 import Fp8Config
+    from fluxaccel.core.quant.patch import apply_fp8
+
+    monkeypatch.delattr(qa, "_check_hardware_support")
+    assert isinstance(torchao_internals.fp8_gate_open(), Unavailable) and torchao_fp8_here() is False
+    assert said(caplog, "_check_hardware_support", "FP8 is refused off the GPU")
+    with pytest.raises(FluxAccelError, match="FP8 quantization runs on NVIDIA GPUs"):
+        apply_fp8(tiny_flux, Fp8Config())
+
+
+def test_kernel_preference_missing(monkeypatch, caplog):
+    import importlib
+
+    from fluxaccel.core.quant.fp8 import Fp8Config
+
+    common = importlib.import_module("torchao.quantization.quantize_.common")
+
+    monkeypatch.delattr(common, "KernelPreference")
+    assert isinstance(torchao_internals.torch_kernel_preference(), Unavailable)
+    with caplog.at_level(logging.INFO, logger="fluxaccel.upstream"):
+        cfg = Fp8Config().torchao_config()
+    assert cfg.granularity is not None and said(caplog, "KernelPreference", "may differ in rounding")
+
+
+def test_float8_primitives_missing_refuse_the_plain_layout(monkeypatch, tiny_flux, cpu_fp8):
+    import torchao.quantization.quant_primitives as qp
+
+    from fluxaccel.core.quant import fp8
+    from fluxaccel.core.quant.patch import apply_fp8
+
+    monkeypatch.delattr(qp, "_choose_scale_float8")
+    monkeypatch.setattr(fp8, "_AO", None)
+    assert isinstance(torchao_internals.float8_primitives(), Unavailable)
+    with pytest.raises(FluxAccelError, match="_choose_scale_float8.*Set layout to 'subclass'"):
+        apply_fp8(tiny_flux, fp8.Fp8Config(layout="plain"))
+    model, report = apply_fp8(tiny_flux, fp8.Fp8Config(layout="subclass"))  # the other layout still works
+    assert report.quantized
+
+
+def test_map_float8_data_missing():
+    with pytest.raises(RuntimeError, match="_apply_fn_to_data"):
+        torchao_internals.map_float8_data(torch.zeros(2), lambda t: t)

@@ -1,0 +1,1 @@
+"""Helpers and fixtures shared by the tests (not shipped with the plugin)."""

@@ -1,0 +1,93 @@
+"""Test fixtures: the tiny FLUX built in-process for CPU unit tests, and the files that only tests and the
+reliability tool need (a scaled-FP8 checkpoint, a LoRA). Product synthetic models are in core/models/synthetic.py."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from tools.plugin import register
+
+register()
+from fluxaccel.core.models import synthetic  # noqa: E402
+from fluxaccel.core.models.synthetic import SHAPES, save_atomic, write_flux_file  # noqa: E402,F401
+from support.shapes import TINY  # noqa: E402
+
+log = logging.getLogger("fluxaccel.tests")
+
+
+
+def _shape(shape):
+    return TINY if shape == "tiny" else shape
+
+
+def build_flux(shape="tiny", dtype=torch.bfloat16, device="cpu", seed: int = 0):
+    """A ModelPatcher around a random-weight FLUX (synthetic.build_flux), "tiny" by default."""
+    return synthetic.build_flux(_shape(shape), dtype=dtype, device=device, seed=seed)
+
+
+def synthetic_conditioning(shape="tiny", text_len: int = 16, batch: int = 1, guidance: float = 3.5, seed: int = 0):
+    return synthetic.synthetic_conditioning(_shape(shape), text_len, batch, guidance, seed)
+
+
+synthetic_conditioning_for = synthetic.synthetic_conditioning_for
+
+
+SCALED_FP8_LAYERS = r"^(double_blocks|single_blocks)\.\d+\..*(qkv|proj|mlp\.\d|linear\d|_mod\.lin|modulation\.lin)$|^(img_in|txt_in)$"
+
+
+def write_scaled_fp8_file(path: str | os.PathLike, bf16_file: str | os.PathLike) -> Path:
+    """Write a scaled-FP8 checkpoint in ComfyUI's mixed-precision format (QUANTIZATION.md of ComfyUI 0.33) from a bf16
+    FLUX file: the block Linears, the modulation and the image/text input embedders stored as float8_e4m3fn with a
+    per-tensor `weight_scale`, listed in the `_quantization_metadata` entry; everything else in bf16."""
+    import json
+    import re
+
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if path.exists():
+        return path
+    sd, layers = load_file(str(bf16_file)), {}
+    pattern = re.compile(SCALED_FP8_LAYERS)
+    for key in [k for k in sd if k.endswith(".weight")]:
+        layer = key[: -len(".weight")]
+        w = sd[key]
+        if w.ndim != 2 or not pattern.match(layer):
+            continue
+        scale = w.float().abs().amax().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+        sd[key] = (w.float() / scale).to(torch.float8_e4m3fn)
+        sd[f"{layer}.weight_scale"] = scale.reshape(())
+        layers[layer] = {"format": "float8_e4m3fn"}
+    save_atomic(sd, path, metadata={"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers}),
+                                    "fluxaccel": f"scaled-FP8 (per-tensor e4m3fn) copy of {Path(bf16_file).name}"})
+    log.info("wrote scaled-FP8 FLUX (%d layers) to %s", len(layers), path)
+    return path
+
+
+LORA_TARGETS = ("double_blocks.0.img_attn.qkv", "double_blocks.0.img_mlp.0", "single_blocks.0.linear1",
+                "single_blocks.0.linear2")
+
+
+def write_lora_file(path: str | os.PathLike, flux_file: str | os.PathLike, targets=LORA_TARGETS) -> Path:
+    """A rank-4 LoRA in ComfyUI's generic format (diffusion_model.<layer>.lora_up/lora_down) for a FLUX file, strong
+    enough to change its output clearly (entries of up @ down have ~2x the weight's spread)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if path.exists():
+        return path
+    g = torch.Generator().manual_seed(7)
+    sd = {}
+    with safe_open(str(flux_file), "pt") as f:
+        for name in targets:
+            w = f.get_tensor(f"{name}.weight").float()
+            rank = 4
+            s = (2 * w.std() / rank ** 0.5) ** 0.5
+            sd[f"diffusion_model.{name}.lora_up.weight"] = (torch.randn(w.shape[0], rank, generator=g) * s).bfloat16()
+            sd[f"diffusion_model.{name}.lora_down.weight"] = (torch.randn(rank, w.shape[1], generator=g) * s).bfloat16()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_atomic(sd, path)
+    return path
