@@ -22,20 +22,16 @@ TORCHAO_MAX_EXCLUSIVE = (0, 19)
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89), Hopper (sm_90), Blackwell: hardware FP8 GEMMs
 
 
-def _version_tuple(v: str) -> tuple[int, ...]:
-    out = []
-    for part in v.split("+")[0].split("."):
-        digits = "".join(ch for ch in part if ch.isdigit())
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
+def _version(v: str):
+    """A version string that compares with tuples by PEP 440 (torch's own TorchVersion: '2.11.0+cu128' >= (2, 8))."""
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(v)
 
 
 def require_torch(node: str) -> None:
     """Refuse a PyTorch older than TORCH_MIN with what to install (checked on use, never at import)."""
-    have = _version_tuple(str(torch.__version__))[:2]
-    if have < TORCH_MIN:
+    if _version(str(torch.__version__)) < TORCH_MIN:
         want = ".".join(map(str, TORCH_MIN))
         raise FluxAccelError(
             f"{node} needs PyTorch {want} or newer; this ComfyUI runs torch {torch.__version__}. Update the PyTorch "
@@ -57,8 +53,8 @@ def require_torchao():
         version = md.version("torchao")
     except md.PackageNotFoundError:
         version = getattr(torchao, "__version__", "0")
-    vt = _version_tuple(version)[:2]
-    if not (TORCHAO_MIN <= vt < TORCHAO_MAX_EXCLUSIVE):
+    vt = _version(version)
+    if not (vt >= TORCHAO_MIN and vt < TORCHAO_MAX_EXCLUSIVE):
         raise FluxAccelError(
             f"FluxAccel FP8 needs torchao{want}; this ComfyUI has torchao {version}. "
             f"Run: python -m pip install 'torchao{want}' and restart ComfyUI."

@@ -1,10 +1,10 @@
 from comfy_api.latest import io, ui
 
-from ..core.compile import kernel_cache as compile_cache
 from ..core.compile.config import MODES, POLICIES, CompileConfig
 from ..core.compile.patch import apply_compile
 from . import ids
 from .events import compiled_notifier, progress_text
+from .validation import refuse_unknown_inputs
 
 
 class Compile(io.ComfyNode):
@@ -34,8 +34,6 @@ class Compile(io.ComfyNode):
                 io.Boolean.Input("persistent_cache", default=True, optional=True,
                                  tooltip="Save compile artifacts in ComfyUI's user folder (fluxaccel/compile-cache) and "
                                          "reload them after a restart, so the first image needs little compile time."),
-                io.Boolean.Input("clear_cache", default=False, optional=True,
-                                 tooltip="Delete FluxAccel's saved compile artifacts before compiling."),
                 io.Boolean.Input("block_regions", default=True, optional=True,
                                  tooltip="Compile each kind of FLUX block once and reuse it for the other 18/37 "
                                          "(torch nested compile regions) inside the one whole-model graph: about half "
@@ -44,20 +42,18 @@ class Compile(io.ComfyNode):
             ],
             outputs=[io.Model.Output(tooltip="The model, compiled on first use; the input model is unchanged.")],
             hidden=[io.Hidden.unique_id],
+            accept_all_inputs=True,  # so that an input this node no longer has is refused by name, not dropped
         )
 
     @classmethod
     def execute(cls, model, cuda_graphs, mode, resolution_policy, max_shapes, persistent_cache=True,
-                clear_cache=False, block_regions=True) -> io.NodeOutput:
-        if clear_cache:
-            compile_cache.clear()
+                block_regions=True, **unknown) -> io.NodeOutput:
+        refuse_unknown_inputs(unknown)
         cfg = CompileConfig(cuda_graphs=cuda_graphs, mode=mode, resolution_policy=resolution_policy,
                             max_shapes=max_shapes, persistent_cache=persistent_cache,
                             block_regions=block_regions)
         clone, compiled = apply_compile(model, cfg)
         compiled.on_compiled = compiled_notifier(cls.hidden.unique_id)
         compiled.on_progress = progress_text(cls.hidden.unique_id)
-        text = compiled.cfg.summary()
-        if compiled.stats.graphs_off_reason:
-            text += f"\nCUDA graphs off: {compiled.stats.graphs_off_reason}"
+        text = "\n".join([compiled.cfg.summary(), *(d.line() for d in compiled.stats.degradations)])
         return io.NodeOutput(clone, ui=ui.PreviewText(text))

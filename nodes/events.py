@@ -36,7 +36,8 @@ def compiled_notifier(node_id: str | None):
             from server import PromptServer
 
             PromptServer.instance.send_sync(COMPILED, {"node": str(node_id), **compiled_state(compiled)})
-        except Exception as e:  # the editor badge is a nicety: never fail a prompt over it (said, not hidden)
+        except (ImportError, AttributeError, RuntimeError, OSError, ValueError, TypeError) as e:
+            # the editor badge is a nicety: never fail a prompt over it (said, not hidden)
             log.warning("FluxAccel: could not update the Compile node's badge in the editor (%s: %s)",
                         type(e).__name__, e)
     return notify

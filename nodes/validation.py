@@ -14,3 +14,21 @@ def parses(fn, value) -> bool | str:
     except FluxAccelError as e:
         return str(e)
     return True
+
+
+# inputs our nodes no longer have, which saved workflows may still carry, and what to do instead
+RETIRED = {
+    "clear_cache": "clear_cache is no longer a setting of the Compile node: a workflow saved with it on would delete "
+                   "the compile cache of every machine that runs it. Nothing was cleared. Clear it explicitly with "
+                   "`python custom_nodes/comfyui-fluxaccel/tools/clear_cache.py` (or delete ComfyUI's "
+                   "user/fluxaccel/compile-cache folder), and re-add the Compile node in this workflow.",
+}
+
+
+def refuse_unknown_inputs(unknown: dict) -> None:
+    """Inputs a prompt gives a node that its schema does not have (the node accepts all inputs so as to see them):
+    an error naming each, except a retired one set to what is now done anyway (clear_cache off)."""
+    named = {k: v for k, v in unknown.items() if not (k in RETIRED and v is False)}
+    if named:
+        raise FluxAccelError(" ".join(RETIRED.get(k, f"This node has no input {k!r} (set to {v!r}); remove it from "
+                                                       f"the workflow.") for k, v in named.items()))

@@ -175,7 +175,7 @@ def main(argv=None) -> int:
             again, equal = sampled(hist), bool(torch.equal(srv.saved_latent(hist, "7"), plain_rep))
             differs = not torch.equal(plain_rep, ref)  # FP8 + compile does change the numbers: the check can fail
             after = srv.saved_latent(hist, "7")
-            rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
+            from fluxaccel.core.bench.metrics import rel_err as rel
             cases["branch_isolation"] = {"sampled_again": again, "equal_to_plain_repeat": equal,
                                          "plain_repeat_equal": bool(torch.equal(plain_rep, plain_ref)),
                                          "plain_repeat_rel_diff": rel(plain_rep, plain_ref),

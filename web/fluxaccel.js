@@ -210,10 +210,39 @@ function fluxaccelBadge(node) {
   };
 }
 
+// Compile's widget values as saved before clear_cache left the node (it was a saved setting that cleared the cache of
+// every machine running the workflow): [cuda_graphs, mode, resolution_policy, max_shapes, persistent_cache,
+// clear_cache, block_regions]. Without this, the old clear_cache value would land in block_regions.
+const RETIRED_CLEAR_CACHE_SLOT = 5;
+const COMPILE_WIDGETS_WITH_CLEAR_CACHE = 7;
+
+export function migrateCompileWidgets(values) {
+  if (!Array.isArray(values) || values.length !== COMPILE_WIDGETS_WITH_CLEAR_CACHE) return { values, cleared: false };
+  const copy = [...values];
+  const [cleared] = copy.splice(RETIRED_CLEAR_CACHE_SLOT, 1);
+  return { values: copy, cleared: cleared === true };
+}
+
 app.registerExtension({
   name: "FluxAccel.Editor",
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (!FLUXACCEL_NODE_IDS.includes(nodeData.name)) return;
+    if (nodeData.name === COMPILE) {
+      const configure = nodeType.prototype.configure;
+      nodeType.prototype.configure = function (info) {
+        const { values, cleared } = migrateCompileWidgets(info?.widgets_values);
+        if (values !== info?.widgets_values) {
+          info = { ...info, widgets_values: values };
+          window.__fluxaccel.migrated = (window.__fluxaccel.migrated || 0) + 1;
+          if (cleared) {
+            toast("Compile (FluxAccel): clear_cache is no longer a node setting",
+                  "This workflow was saved with clear_cache on. Nothing is cleared when it runs; clear the cache with " +
+                  "tools/clear_cache.py in the plugin folder.");
+          }
+        }
+        return configure.call(this, info);
+      };
+    }
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {
       onExecuted?.apply(this, arguments);

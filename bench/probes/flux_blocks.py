@@ -53,9 +53,7 @@ def bench_ms(fn, iters=20, warm=3) -> float:
     return times[len(times) // 2]
 
 
-def rel_err(a, b) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+from fluxaccel.core.bench.metrics import rel_err  # noqa: E402
 
 
 def sdpa_backends():
@@ -135,7 +133,8 @@ def build_blocks():
 def fp8_copy(block, granularity, layout="subclass"):
     import copy
 
-    from fluxaccel.core.quant.fp8 import Fp8Config, quantize_linear
+    from fluxaccel.core.quant.fp8 import Fp8Config
+    from fluxaccel.core.quant.linear import quantize_linear
 
     cfg = Fp8Config(granularity=granularity, layout=layout)
     new = copy.deepcopy(block)

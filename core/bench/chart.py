@@ -26,7 +26,7 @@ def chart_data(rows: list[dict]) -> dict:
     return {
         "configs": [r["config"] for r in rows],
         "step_ms": [[1000 * t for t in (r.get("step_times") or [])] for r in rows],
-        "speedup": [r["speedup_vs_eager"] for r in rows],
+        "speedup": [r["speedup_vs_baseline"] for r in rows],
         "first_run_s": [r.get("first_run_s") for r in rows],
         "peak_vram_gib": [r.get("peak_vram_gib") for r in rows],
     }

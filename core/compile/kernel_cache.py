@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..upstream import say, torch_internals
+from .warm_start import UNUSABLE_FILE, UNWRITABLE
 
 log = logging.getLogger("fluxaccel.cache")
 
@@ -93,7 +94,7 @@ class KernelCache:
             self._merge(artifacts)
             log.info("FluxAccel: loaded compile cache %s (%s)", self.path, info)
             return True
-        except Exception as e:  # a cache must never break a run: warn and compile from scratch
+        except UNUSABLE_FILE as e:  # a cache must never break a run: warn and compile from scratch
             log.warning("FluxAccel: ignoring unusable compile cache %s (%s: %s); compiling from scratch",
                         self.path, type(e).__name__, e)
             return False
@@ -128,7 +129,7 @@ class KernelCache:
             os.replace(tmp, self.path)
             log.info("FluxAccel: saved compile cache %s (%d bytes)", self.path, len(payload))
             return True
-        except Exception as e:
+        except UNWRITABLE as e:
             log.warning("FluxAccel: could not save the compile cache to %s (%s: %s)", self.path, type(e).__name__, e)
             return False
 

@@ -68,32 +68,17 @@ def cuda_graph_blockers(device: torch.device) -> list[str]:
     return out
 
 
-def _swap_in_factory(compiled: CompiledFlux):
-    def apply_compiled(executor, *args, **kwargs):
-        import comfy.utils
-
-        base = executor.class_obj
-        orig = comfy.utils.get_attr(base, "diffusion_model")
-        comfy.utils.set_attr(base, "diffusion_model", compiled)
-        try:
-            return executor(*args, **kwargs)
-        finally:
-            comfy.utils.set_attr(base, "diffusion_model", orig)
-
-    return apply_compiled
-
-
 def _install(clone, compiled: CompiledFlux):
     """Put `compiled` on `clone` (already a clone): our one keyed APPLY_MODEL wrapper, replacing any earlier one, and
     the CompiledFlux as the clone's COMPILE_KEY attachment (read by Warmup, Benchmark and the editor badge)."""
     wt = _apply_model_type()
     clone.remove_wrappers_with_key(wt, COMPILE_KEY)
-    clone.add_wrapper_with_key(wt, COMPILE_KEY, _swap_in_factory(compiled))
+    clone.add_wrapper_with_key(wt, COMPILE_KEY, comfy_internals.swap_in_wrapper({"diffusion_model": compiled}))
     clone.set_attachments(COMPILE_KEY, compiled)
     return clone, compiled
 
 
-def _variant(model) -> str:
+def model_variant(model) -> str:
     """What the compiled graph depends on beyond the base module's parameters: FluxAccel's FP8 config and the
     modules other object patches swap in at load time (the persistent compile cache is keyed by it)."""
     from ..quant.patch import fp8_state
@@ -128,15 +113,16 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
             f"{node}: the model already carries a per-block (regional) compile ({'; '.join(regional)}). CUDA graphs "
             f"need the whole model compiled as one graph: remove the other compile node (e.g. TorchCompileModel with "
             f"block keys) or turn cuda_graphs off.")
+    regions_off = ""
     if cfg.block_regions:
         from ..quant.patch import fp8_state
 
         fp8 = fp8_state(model)
         if fp8 and fp8.config.layout == "subclass":
             # torch has no rule for tensor-subclass weights (torchao's Float8Tensor) inside a nested compile region
-            log.warning("FluxAccel: %s compiles without block_regions: FP8 weights in the 'subclass' layout cannot "
-                        "be used in torch's nested compile regions (a longer first compile, same numerics). Set "
-                        "layout 'plain' on Quantize FP8 to keep block_regions.", node)
+            regions_off = ("FP8 weights in the 'subclass' layout cannot be used in torch's nested compile regions "
+                           "(a longer first compile, same numerics); set layout 'plain' on Quantize FP8 to keep them")
+            log.warning("FluxAccel: %s compiles without block_regions: %s", node, regions_off)
             cfg = dataclasses.replace(cfg, block_regions=False)
     device = torch.device(model.load_device)
     graphs_off = ""
@@ -154,8 +140,12 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
         log.info("FluxAccel: replacing ComfyUI's whole-model torch.compile wrapper with FluxAccel's")
         clone.remove_wrappers_with_key(wt, COMFY_COMPILE_KEY)
         clone.model_options.pop("torch_compile_kwargs", None)
-    compiled = CompiledFlux(dm, cfg, device, variant=_variant(model), layout=model_layout(model))
+    compiled = CompiledFlux(dm, cfg, device, variant=model_variant(model), layout=model_layout(model))
     compiled.stats.graphs_off_reason = graphs_off
+    if graphs_off:
+        compiled.stats.degrade("CUDA graphs", graphs_off)
+    if regions_off:
+        compiled.stats.degrade("block_regions", regions_off)
     clone.add_callback_with_key(on_load_callback_type(), COMPILE_KEY, partial_load_guard(node))
     return _install(clone, compiled)
 

@@ -75,8 +75,9 @@ class CompileWatch:
     def _send(self, text: str, elapsed: float) -> None:
         try:
             self.report(text, elapsed)
-        except Exception as e:  # a display must never break the compile
-            log.debug("FluxAccel: compile progress not shown (%s)", e)
+        except (ImportError, AttributeError, RuntimeError, OSError, ValueError, TypeError) as e:
+            # a display must never break the compile: said, and the compile goes on
+            log.warning("FluxAccel: compile progress not shown (%s: %s)", type(e).__name__, e)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

@@ -27,6 +27,7 @@ import io
 import json
 import logging
 import os
+import pickle
 import sys
 import time
 import types
@@ -40,6 +41,12 @@ from ..upstream import torch_internals
 log = logging.getLogger("fluxaccel.cache")
 
 MAGIC = b"FLUXACCEL-WARM-START 1\n"
+
+# what reading a damaged, truncated, foreign or stale file raises (ours: ValueError), and what torch's deserializer
+# raises for one it cannot rebuild; writing: what a full disk, a read-only folder or an unpicklable graph raise
+UNUSABLE_FILE = (OSError, ValueError, EOFError, RuntimeError, KeyError, AttributeError, ImportError, TypeError,
+                 pickle.UnpicklingError)
+UNWRITABLE = (OSError, RuntimeError, TypeError, ValueError, AttributeError, pickle.PicklingError)
 SUFFIX = ".warm"
 
 # packages this process has "loaded": a loaded one runs without dynamo tracing anything, so dynamo's counters do not
@@ -165,7 +172,7 @@ class WarmStart:
             counts["loaded"] += 1
             log.info("FluxAccel: loaded warm-start package %s in %.2f s (no tracing)", path, time.perf_counter() - t0)
             return fn
-        except Exception as e:  # never break a run: warn, compile again, and the package is rewritten
+        except UNUSABLE_FILE as e:  # never break a run: warn, compile again, and the package is rewritten
             log.warning("FluxAccel: ignoring unusable warm-start package %s (%s: %s); compiling this shape",
                         path, type(e).__name__, e)
             return None
@@ -182,7 +189,7 @@ class WarmStart:
             os.replace(tmp, path)
             log.info("FluxAccel: saved warm-start package %s (%d bytes)", path, len(payload))
             return True
-        except Exception as e:
+        except UNWRITABLE as e:
             log.warning("FluxAccel: could not save the warm-start package %s (%s: %s); a restart traces this "
                         "shape again", path, type(e).__name__, e)
             return False

@@ -23,7 +23,8 @@ from ..models.loaded import (checkpoint_format, is_checkpoint_quantized, linear_
 from ..env import require_fp8_device, require_torch, require_torchao
 from ..errors import FluxAccelError
 from ..models.flux import on_load_callback_type, partial_load_guard, require_bf16_weights, require_flux, require_fully_loaded
-from .fp8 import DEFAULT_LAYOUT, Fp8Config, is_fp8_linear, linear_weight_bytes, quantize_linear, select_linears
+from .fp8 import DEFAULT_LAYOUT, Fp8Config, linear_weight_bytes, select_linears
+from .linear import detached_copy, is_fp8_linear, quantize_linear
 
 log = logging.getLogger("fluxaccel.fp8")
 
@@ -143,11 +144,10 @@ def _stored_bytes(lin) -> int:
 def _dequantized_linear(model, lin, name, device, compute_dtype):
     """A bf16 ComfyUI Linear with the dequantized weight (and this clone's weight patches) of a checkpoint-quantized
     Linear outside the FP8 scope: compiled models then hold no tensor-subclass weights."""
-    from .fp8 import _detached_copy
 
     params, merged = _as_this_clone_runs(model, lin, name, device)
     # the model computes in its manual-cast dtype (e.g. float32 on a CPU): then cast the bf16 weight per call
-    new = _detached_copy(_plain_linear(lin, cast=compute_dtype is not None), device, None, params)
+    new = detached_copy(_plain_linear(lin, cast=compute_dtype is not None), device, None, params)
     return new, merged
 
 
@@ -234,6 +234,45 @@ def _as_this_clone_runs(model, lin: torch.nn.Linear, name: str, device: torch.de
     return params, merged
 
 
+def _keep_merged(clone, merged_keys: list[str], merged: dict, report: Fp8Report) -> None:
+    """Weight patches now inside the new weights: taken off the clone, kept aside for remove_fp8 (the baseline)."""
+    for k in merged_keys:
+        merged[k] = clone.patches.pop(k)
+    report.merged_patches += merged_keys
+
+
+def _quantize_one(model, clone, lin, name: str, cfg: Fp8Config, device, compute_dtype, report: Fp8Report,
+                  merged: dict) -> str:
+    """One chosen Linear as an FP8 object patch of the clone (its weight as this clone runs it: patches merged)."""
+    params, merged_keys = _as_this_clone_runs(model, lin, name, device)
+    if is_checkpoint_quantized(lin.weight):
+        fmt = checkpoint_format(lin)
+        report.requantized[fmt] = report.requantized.get(fmt, 0) + 1
+    _keep_merged(clone, merged_keys, merged, report)
+    # quantize on the GPU (fast), then park the FP8 copy where ComfyUI keeps unloaded weights: the GPU then holds
+    # only what ComfyUI itself loads (and accounts for), e.g. not two FP8 variants at once.
+    base = lin if isinstance(lin, torch.nn.Linear) else _plain_linear(lin)
+    q = quantize_linear(base, cfg, device, compute_dtype, params).to(model.offload_device)
+    key = f"diffusion_model.{name}"
+    clone.add_object_patch(key, q)
+    report.quantized.append(name)
+    report.bytes_before += _stored_bytes(lin)
+    report.bytes_after += linear_weight_bytes(q)
+    return key
+
+
+def _dequantize_one(model, clone, lin, name: str, device, compute_dtype, report: Fp8Report, merged: dict) -> str:
+    """A checkpoint-quantized Linear outside the scope, as a plain bf16 Linear (the compiled graph runs it)."""
+    new, merged_keys = _dequantized_linear(model, lin, name, device, compute_dtype)
+    _keep_merged(clone, merged_keys, merged, report)
+    key = f"diffusion_model.{name}"
+    clone.add_object_patch(key, new.to(model.offload_device))
+    report.dequantized.append(name)
+    report.bytes_before += _stored_bytes(lin)
+    report.bytes_after += linear_weight_bytes(new)
+    return key
+
+
 def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     """Return (clone with FP8 Linears, report). The input model is left untouched.
 
@@ -266,38 +305,10 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     report = Fp8Report(cfg.granularity, cfg.scope, str(device), skipped=dict(sel.skipped), layout=cfg.layout)
     keys, merged = [], _Kept()
     for name in sel.chosen:
-        lin = originals[name]
-        params, merged_keys = _as_this_clone_runs(model, lin, name, device)
-        if is_checkpoint_quantized(lin.weight):
-            fmt = checkpoint_format(lin)
-            report.requantized[fmt] = report.requantized.get(fmt, 0) + 1
-        for k in merged_keys:  # now inside the FP8 weights; kept aside for remove_fp8 (the Benchmark baseline)
-            merged[k] = clone.patches.pop(k)
-        report.merged_patches += merged_keys
-        # quantize on the GPU (fast), then park the FP8 copy where ComfyUI keeps unloaded weights: the GPU
-        # then holds only what ComfyUI itself loads (and accounts for), e.g. not two FP8 variants at once.
-        base = lin if isinstance(lin, torch.nn.Linear) else _plain_linear(lin)
-        q = quantize_linear(base, cfg, device, compute_dtype, params).to(model.offload_device)
-        key = f"diffusion_model.{name}"
-        clone.add_object_patch(key, q)
-        keys.append(key)
-        report.quantized.append(name)
-        report.bytes_before += _stored_bytes(lin)
-        report.bytes_after += linear_weight_bytes(q)
+        keys.append(_quantize_one(model, clone, originals[name], name, cfg, device, compute_dtype, report, merged))
     for name in sel.skipped:
-        lin = originals[name]
-        if not is_checkpoint_quantized(lin.weight):
-            continue
-        new, merged_keys = _dequantized_linear(model, lin, name, device, compute_dtype)
-        for k in merged_keys:
-            merged[k] = clone.patches.pop(k)
-        report.merged_patches += merged_keys
-        key = f"diffusion_model.{name}"
-        clone.add_object_patch(key, new.to(model.offload_device))
-        keys.append(key)
-        report.dequantized.append(name)
-        report.bytes_before += _stored_bytes(lin)
-        report.bytes_after += linear_weight_bytes(new)
+        if is_checkpoint_quantized(originals[name].weight):
+            keys.append(_dequantize_one(model, clone, originals[name], name, device, compute_dtype, report, merged))
     if not report.quantized:
         raise FluxAccelError(f"{node}: no Linear layer matched scope '{cfg.scope}'; choose scope all_linear.")
     # A fresh patches_uuid makes ComfyUI unpatch/move the model when it switches between this clone and

@@ -160,3 +160,32 @@ def compile_wrapper_keys(fn) -> list[str] | Unavailable:
         if isinstance(value, dict) and value and all(callable(v) for v in value.values()):
             return list(value)
     return _missing("the compiled-module dict in set_torch_compile_wrapper's closure")
+
+
+def swap_in_wrapper(modules: dict):
+    """An APPLY_MODEL wrapper that sets BaseModel attributes (e.g. diffusion_model) to `modules` for one call and
+    restores them in `finally`: ComfyUI's own apply_torch_compile_factory, or the same few lines where it is missing."""
+    try:
+        from comfy_api.torch_helpers.torch_compile import apply_torch_compile_factory
+
+        return apply_torch_compile_factory(modules)
+    except ImportError as e:
+        from . import say
+
+        say(_missing("comfy_api.torch_helpers.torch_compile.apply_torch_compile_factory", str(e)),
+            "FluxAccel swaps the compiled model in with its own copy of that wrapper")
+
+    def apply_swapped(executor, *args, **kwargs):
+        import comfy.utils
+
+        base, originals = executor.class_obj, {}
+        try:
+            for key, value in modules.items():
+                originals[key] = comfy.utils.get_attr(base, key)
+                comfy.utils.set_attr(base, key, value)
+            return executor(*args, **kwargs)
+        finally:
+            for key, value in originals.items():
+                comfy.utils.set_attr(base, key, value)
+
+    return apply_swapped

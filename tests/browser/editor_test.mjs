@@ -105,6 +105,22 @@ try {
     }
     return out;
   });
+  // a workflow saved when Compile still had clear_cache (7 widget values, clear_cache on, block_regions on): the values
+  // land on the right widgets and the editor says nothing is cleared
+  step("old Compile widgets");
+  result.oldCompile = await page.evaluate(async () => {
+    const data = await (await fetch("/api/workflow_templates/comfyui-fluxaccel/fluxaccel_quickstart_cpu.json")).json();
+    const node = data.nodes.find((n) => n.type === "FluxAccelCompile");
+    node.widgets_values = [true, "default", "recompile", 3, true, true, true];
+    const toastsBefore = window.__fluxaccel.toasts.length;
+    await window.app.loadGraphData(data, true, false, "old-compile");
+    await new Promise((r) => setTimeout(r, 300));
+    const loaded = window.app.graph._nodes.find((n) => n.type === "FluxAccelCompile");
+    const widgets = Object.fromEntries(loaded.widgets.map((w) => [w.name, w.value]));
+    const added = window.__fluxaccel.toasts.slice(toastsBefore);
+    window.__fluxaccel.toasts.splice(toastsBefore);  // the later checks read the run's toasts only
+    return { widgets, added };
+  });
   // back to the CPU quickstart, as shipped, for the run
   await page.evaluate(async () => {
     const data = await (await fetch("/api/workflow_templates/comfyui-fluxaccel/fluxaccel_quickstart_cpu.json")).json();

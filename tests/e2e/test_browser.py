@@ -52,6 +52,11 @@ def test_editor_in_a_real_browser(server):
         assert server.get(f"/api/workflow_templates/comfyui-fluxaccel/{t}.jpg")[:3] == b"\xff\xd8\xff", t
     # every template loads with no two nodes overlapping, at the sizes the frontend gives them
     assert sorted(r["overlaps"]) == templates and not any(r["overlaps"].values()), r["overlaps"]
+    old = r["oldCompile"]  # a workflow saved with Compile's former clear_cache input (on)
+    assert {k: old["widgets"].get(k) for k in ("resolution_policy", "max_shapes", "persistent_cache", "block_regions")} \
+        == {"resolution_policy": "recompile", "max_shapes": 3, "persistent_cache": True, "block_regions": True}, old
+    assert "clear_cache" not in old["widgets"] and len(old["added"]) == 1, old
+    assert "Nothing is cleared" in old["added"][0]["detail"] and "clear_cache.py" in old["added"][0]["detail"], old
     assert set(r["loadedTypes"]) >= (ours - {"FluxAccelQuantizeFP8"}) | {"UNETLoader"}
     w = r["benchmarkWidgets"]  # widget values land on the right widgets (seed's control_after_generate included)
     assert (w["cfg"], w["sampler_name"], w["scheduler"], w["steps"]) == (1.0, "euler", "simple", 2), w

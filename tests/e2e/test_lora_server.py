@@ -7,6 +7,7 @@ import torch
 from tools.comfy_server import PromptFailed
 
 from .conftest import MODELS_DIR, flux_inputs, sample_and_save, saved_latent
+from fluxaccel.core.bench.metrics import rel_err
 
 pytestmark = pytest.mark.e2e
 
@@ -40,8 +41,7 @@ def _prompt(order: list[str], strength: float = 1.0, seed: int = 3) -> dict:
     return g
 
 
-def _err(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
+_err = rel_err
 
 
 def test_lora_before_fp8_is_merged_and_strength_takes_effect(server, lora_file):

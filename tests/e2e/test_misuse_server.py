@@ -2,6 +2,7 @@
 tricks against the only HTTP surface the plugin adds (its web folder), and many prompts in a row without host-memory
 growth. After each misuse the server must answer the next prompt correctly."""
 import os
+import statistics
 import urllib.error
 import urllib.request
 
@@ -160,8 +161,7 @@ def test_many_prompts_host_memory_stays_flat(server, e2e_3072_model_file):
         assert "4" not in server.cached_nodes(hist), "Quantize FP8 must be rebuilt in every prompt"
         rss.append(server.rss_bytes() / 2**20)
     tail = rss[3:]
-    n, mean_x, mean_y = len(tail), (len(tail) - 1) / 2, sum(tail) / len(tail)
-    slope = sum((i - mean_x) * (v - mean_y) for i, v in enumerate(tail)) / sum((i - mean_x) ** 2 for i in range(n))
+    slope = statistics.linear_regression(range(len(tail)), tail).slope
     msg = f"RSS (MiB) per prompt: {[round(v) for v in rss]}; slope after prompt 3: {slope:.1f} MiB/prompt"
     assert slope < 0.03 * rss[3], msg
     assert max(tail) < 1.15 * min(tail), msg

@@ -3,9 +3,9 @@ import pytest
 
 from fluxaccel.core.bench.chart import chart_data, render, to_image_tensor
 
-ROWS = [{"config": "eager-bf16", "step_times": [0.17, 0.17, 0.18], "speedup_vs_eager": 1.0, "first_run_s": 6.0,
+ROWS = [{"config": "eager-bf16", "step_times": [0.17, 0.17, 0.18], "speedup_vs_baseline": 1.0, "first_run_s": 6.0,
          "peak_vram_gib": 22.7},
-        {"config": "fp8-per_row+compile+graphs", "step_times": [0.11, 0.105, 0.12], "speedup_vs_eager": 1.54,
+        {"config": "fp8-per_row+compile+graphs", "step_times": [0.11, 0.105, 0.12], "speedup_vs_baseline": 1.54,
          "first_run_s": 47.3, "peak_vram_gib": 14.3}]
 
 

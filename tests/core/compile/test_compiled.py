@@ -280,8 +280,7 @@ def test_per_call_timings_stay_bounded_over_many_calls(tiny_flux, counters):
     assert c.stats.call_timings()["model_call_host_ms_median"] > 0
 
 
-def _rel(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
+_rel = rel_err
 
 
 @pytest.mark.parametrize("regions", [False, True], ids=["whole", "regions"])

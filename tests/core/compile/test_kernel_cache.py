@@ -19,7 +19,8 @@ SCRIPT = NEW_PROCESS_PRELUDE + textwrap.dedent(r"""
         c = CompiledFlux(dm, CompileConfig(warm_start=False), torch.device("cpu"))
         out = c(x, t, context=ctx, y=y, guidance=gd)
         ref = dm(x, t, context=ctx, y=y, guidance=gd)
-    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+    from fluxaccel.core.bench.metrics import rel_err
+    err = rel_err(out, ref)
     print("RESULT", json.dumps({{"loaded": c.stats.cache_loaded, "hits": counters["inductor"]["fxgraph_cache_hit"],
                                 "misses": counters["inductor"]["fxgraph_cache_miss"], "err": err}}))
 """)

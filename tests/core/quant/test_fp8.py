@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fluxaccel.core.errors import FluxAccelError
-from fluxaccel.core.quant.fp8 import Fp8Config, in_scope, is_fp8_linear, is_fp8_weight, linear_weight_bytes, quantize_linear, select_linears
+from fluxaccel.core.quant.fp8 import Fp8Config, in_scope, is_fp8_weight, linear_weight_bytes, select_linears
+from fluxaccel.core.quant.linear import is_fp8_linear, quantize_linear
 from fluxaccel.core.bench.metrics import rel_err, sqnr_db
 
 BOUND = 0.08

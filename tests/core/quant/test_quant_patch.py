@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from fluxaccel.core.errors import FluxAccelError
-from fluxaccel.core.quant.fp8 import Fp8Config, is_fp8_linear, is_fp8_weight
+from fluxaccel.core.quant.fp8 import Fp8Config, is_fp8_weight
+from fluxaccel.core.quant.linear import is_fp8_linear
 from fluxaccel.core.quant.patch import FP8_KEY, apply_fp8, fp8_state, remove_fp8
 from fluxaccel.core.bench.metrics import rel_err, sqnr_db
 from support.runs import flux_inputs, forward, sample

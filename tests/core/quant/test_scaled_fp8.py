@@ -12,13 +12,13 @@ from fluxaccel.core.errors import FluxAccelError
 from fluxaccel.core.quant.fp8 import Fp8Config
 from fluxaccel.core.quant.patch import apply_fp8
 from support.runs import denoise_once
+from fluxaccel.core.bench.metrics import rel_err
 
 MODELS = ROOT / ".cache" / "models" / "diffusion_models"
 BF16 = {"dtype": torch.bfloat16}  # the mixed-precision model computes in float32 on the CPU otherwise
 
 
-def rel(a, b):
-    return float((a - b).norm() / b.norm())
+rel = rel_err
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,149 @@
+"""The FP8 Linear as ComfyUI runs it: a quantized copy of one of ComfyUI's Linear op classes (quantize_linear) whose
+weights move between devices as ComfyUI loads and unloads the model, keep their FP8 dtype, and refuse weight
+patches (LoRA) that arrive after quantization -- the hooks ComfyUI calls on a Linear (Module._apply,
+convert_weight/set_weight, weight_function). Numerics are fp8.py's (torchao)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..env import require_torchao
+from ..errors import FluxAccelError
+from ..upstream.torchao_internals import map_float8_data
+from .fp8 import Fp8Config, float8_ops, fp8_linear, is_fp8_weight
+
+
+class _Fp8DeviceMove:
+    """Mixin for quantized Linears: moves an FP8 weight by moving its plain tensors (qdata, scale), and refuses
+    weight patches that arrive after quantization (see convert_weight).
+
+    ComfyUI moves modules with Module.to() when it loads/unloads a model. With torch 2.11 and torchao 0.18,
+    Float8Tensor.to(other device) fails in torch's aliasing check of aten.to ("Attempted to set the storage
+    of a tensor on device cpu to a storage on different device cuda:0"); torchao's _apply_fn_to_data moves
+    the components instead and rebuilds the Float8Tensor, on every torch version.
+    """
+
+    def _apply(self, fn, recurse=True):
+        """FP8 weights (a Float8Tensor, or the plain layout's float8 data and its fp8_weight_scale) move devices but
+        keep their dtypes: a dtype cast of the module (.to(torch.bfloat16), .half()) would turn FP8 data into plain
+        values without their scale. Everything else (the bias) follows fn as usual."""
+        w = self._parameters.get("weight")
+        scale = self._buffers.get("fp8_weight_scale")
+        if w is None or not (is_fp8_weight(w) or scale is not None):
+            return super()._apply(fn, recurse)
+        del self._parameters["weight"]
+        if scale is not None:
+            del self._buffers["fp8_weight_scale"]
+        try:
+            super()._apply(fn, recurse)  # bias and anything else the usual way
+        finally:
+            target = fn(torch.empty(0, device=w.device)).device
+            if target != w.device:
+                moved = map_float8_data(w, lambda t: t.to(target)) if is_fp8_weight(w) else w.to(target)
+                w = torch.nn.Parameter(moved, requires_grad=False)
+            self._parameters["weight"] = w
+            if scale is not None:
+                self._buffers["fp8_weight_scale"] = scale.to(target)
+        return self
+
+    def convert_weight(self, weight, inplace=False, **kwargs):
+        """ComfyUI calls this (found by get_key_weight) when it applies a weight patch (LoRA, ...) to this Linear,
+        before computing the patched weight. Reached only by a patch added *after* quantization (patches present
+        before are merged into the FP8 weights by fp8_patch.apply_fp8): refuse, rather than patch or drop it."""
+        raise FluxAccelError(
+            "A LoRA (or another weight patch) reaches a Linear that Quantize FP8 (FluxAccel) already quantized; FP8 "
+            "weights cannot be patched afterwards. Put LoraLoaderModelOnly (and other weight-patching nodes) before "
+            "Quantize FP8 (FluxAccel): their changes are then merged into the FP8 weights.")
+
+    set_weight = convert_weight
+
+
+def is_fp8_linear(m: torch.nn.Module) -> bool:
+    """A Linear quantized by quantize_linear, in either layout."""
+    return isinstance(m, _Fp8DeviceMove)
+
+
+class _Fp8Plain(_Fp8DeviceMove):
+    """The "plain" layout: weight = FP8 data (a plain float8 Parameter), buffer fp8_weight_scale = its scales; forward
+    runs fp8_linear with the torchao kwargs kept from quantization. ComfyUI's per-call cast and weight-function
+    paths are bypassed (the FP8 GEMM returns the activation dtype itself; weight patches are refused)."""
+
+    def forward(self, x, *args, **kwargs):
+        if self.weight_function or self.bias_function:
+            self.convert_weight(self.weight)  # a lowvram/LoRA weight function reached an FP8 Linear: refuse
+        return fp8_linear(x, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs, self.fp8_mm_config)
+
+
+_FP8_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _fp8_class(cls: type, layout: str) -> type:
+    """The quantized variant of a Linear class (ComfyUI's op classes differ per model): cls + our mixin."""
+    if (cls, layout) not in _FP8_CLASSES:
+        mixin = _Fp8Plain if layout == "plain" else _Fp8DeviceMove
+        name = f"FluxAccelFp8{'Plain' if layout == 'plain' else ''}{cls.__name__}"
+        _FP8_CLASSES[cls, layout] = type(name, (mixin, cls), {"__module__": __name__})
+    return _FP8_CLASSES[cls, layout]
+
+
+def _to_plain(q: torch.nn.Linear) -> None:
+    """Replace a Float8Tensor weight by its data and scale as plain tensors (the same storage, no copy)."""
+    float8_ops()  # refuses the layout here, before any model call, where torchao moved them
+    w = q.weight
+    q.fp8_act_kwargs, q.fp8_mm_config = w.act_quant_kwargs, w.mm_config
+    q.weight = torch.nn.Parameter(w.qdata, requires_grad=False)
+    q.register_buffer("fp8_weight_scale", w.scale)
+    for attr in ("weight_function", "bias_function"):
+        if not hasattr(q, attr):
+            setattr(q, attr, [])
+
+
+def detached_copy(linear: torch.nn.Linear, device: torch.device, compute_dtype=None,
+                   params: dict[str, torch.Tensor] | None = None) -> torch.nn.Linear:
+    """A Linear of the same class sharing nothing mutable with the original (new Parameter objects).
+
+    params: tensors to use instead of the Linear's own weight/bias (e.g. with a LoRA merged in).
+
+    compute_dtype: ComfyUI's manual-cast compute dtype, if the model has one (bf16 weights computed in
+    float32 on the CPU). The FP8 GEMM returns the activation dtype itself, so the copy must not be cast per
+    call: its bias is stored in the compute dtype and ComfyUI's per-call weight cast is turned off.
+    """
+    new = copy.copy(linear)
+    new._parameters = dict(linear._parameters)
+    new._buffers = dict(linear._buffers)
+    new._modules = dict(linear._modules)
+    for attr, value in vars(linear).items():  # hook registries (_forward_hooks, ...): the copy's own
+        if attr.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) and isinstance(value, dict):
+            setattr(new, attr, type(value)(value))
+    for attr in ("weight_function", "bias_function"):
+        if hasattr(linear, attr):
+            setattr(new, attr, list(getattr(linear, attr)))
+    new.__dict__.pop("comfy_patched_weights", None)
+    params = params or {}
+    weight, bias = params.get("weight", linear.weight), params.get("bias", linear.bias)
+    new.weight = torch.nn.Parameter(weight.detach().to(device), requires_grad=False)
+    if bias is not None:
+        new.bias = torch.nn.Parameter(bias.detach().to(device, compute_dtype), requires_grad=False)
+    if compute_dtype is not None and hasattr(new, "comfy_cast_weights"):
+        new.comfy_cast_weights = False
+    return new
+
+
+def quantize_linear(linear: torch.nn.Linear, cfg: Fp8Config, device: torch.device | str,
+                    compute_dtype=None, params: dict[str, torch.Tensor] | None = None) -> torch.nn.Linear:
+    """Return an FP8 copy of `linear` on `device` (weight: torchao Float8Tensor, or its plain tensors with
+    cfg.layout 'plain'), quantized from `params` (weight/bias) where given; `linear` is untouched."""
+    require_torchao()
+    from torchao.quantization import quantize_
+
+    device = torch.device(device)
+    new = detached_copy(linear, device, compute_dtype, params)
+    with torch.no_grad():
+        quantize_(new, cfg.torchao_config())
+    if not is_fp8_weight(new.weight):
+        raise FluxAccelError(f"torchao left a {tuple(linear.weight.shape)} Linear unquantized; report this as a bug.")
+    if cfg.layout == "plain":
+        _to_plain(new)
+    new.__class__ = _fp8_class(type(linear), cfg.layout)
+    return new
