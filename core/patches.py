@@ -64,8 +64,10 @@ def describe(model) -> dict:
                           "model_compiler_paused_calls": st.model_compiler_paused,
                           "model_compiler_unknown_calls": st.model_compiler_unknown,
                           **st.call_timings()}
-    # upstream internals this process could not find, and what FluxAccel does instead (core/upstream)
-    out["degradations"] = degradations()
+    # what runs below what was asked: the compiled model's own list (what, why, since), then upstream internals this
+    # process could not find and what FluxAccel does instead (core/upstream)
+    own = [d.line() for d in c.stats.degradations] if c is not None else []
+    out["degradations"] = own + degradations()
     return out
 
 

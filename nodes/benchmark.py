@@ -23,6 +23,12 @@ from .events import compiled_state
 log = logging.getLogger("fluxaccel.bench")
 
 
+def zeroed(conditioning):
+    """The conditioning with its tensors zeroed, as ComfyUI's ConditioningZeroOut makes a FLUX negative."""
+    return [[torch.zeros_like(c), {k: torch.zeros_like(v) if torch.is_tensor(v) else v for k, v in extra.items()}]
+            for c, extra in conditioning]
+
+
 class Benchmark(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -40,6 +46,9 @@ class Benchmark(io.ComfyNode):
                                tooltip="Model to compare against; default: the same model with FluxAccel's patches removed."),
                 io.Conditioning.Input("positive", optional=True,
                                       tooltip="Conditioning to sample with; default: synthetic, text_length tokens."),
+                io.Conditioning.Input("negative", optional=True,
+                                      tooltip="Negative conditioning (used with cfg > 1); default: the positive zeroed "
+                                              "out (as ConditioningZeroOut) when a positive is connected, else synthetic."),
                 io.Int.Input("text_length", default=512, min=1, max=4096, tooltip="T5 tokens of the synthetic conditioning."),
                 io.Int.Input("width", default=1024, min=64, max=8192, step=16, tooltip="Image width in pixels."),
                 io.Int.Input("height", default=1024, min=64, max=8192, step=16, tooltip="Image height in pixels."),
@@ -63,11 +72,12 @@ class Benchmark(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, text_length, width, height, steps, runs, seed, cfg, sampler_name, scheduler, label,
-                baseline=None, positive=None) -> io.NodeOutput:
+                baseline=None, positive=None, negative=None) -> io.NodeOutput:
         dm = require_flux(model, "Benchmark (FluxAccel)")
         base = baseline if baseline is not None else patches.strip(model)
+        negative = negative or (zeroed(positive) if positive else None)
         positive = positive or synthetic_conditioning_for(dm, text_length, seed=seed)
-        negative = synthetic_conditioning_for(dm, positive[0][0].shape[1], seed=seed + 1)
+        negative = negative or synthetic_conditioning_for(dm, positive[0][0].shape[1], seed=seed + 1)
         case = BenchCase(width=width, height=height, steps=steps, runs=runs, seed=seed, cfg=cfg,
                          sampler=sampler_name, scheduler=scheduler)
         base_label = patches.label(base)

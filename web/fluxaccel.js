@@ -1,6 +1,6 @@
 // FluxAccel editor extension.
 //  * Our nodes show the report text they return (FP8 summary, Warmup timings) inline; the Benchmark's results are a
-//    rendered HTML table (cells from core/bench.py table_cells, the best value of each column marked) with a button
+//    rendered HTML table (cells from core/bench/benchmark.py table_cells, the best value of each column marked) with a button
 //    that copies the same table as markdown.
 //  * The Compile node carries a badge: the shapes its model has compiled, whether CUDA graphs are on, and the
 //    speedup of the last Benchmark run downstream of it. Shapes arrive over the websocket ("fluxaccel.compiled",
@@ -20,7 +20,7 @@ export const FLUXACCEL_NODE_IDS = [
 ];
 const COMPILE = "FluxAccelCompile";
 const BENCHMARK = "FluxAccelBenchmark";
-const SHAPE_ERROR = "is compiled for"; // core/compile.py's strict-shape error: "...compiled for X, but received Y"
+const SHAPE_ERROR = "is compiled for"; // core/compile/shapes.py's strict-shape error: "...compiled for X, but received Y"
 
 const badges = new Map(); // Compile node id (string) -> {shapes, graphs, speedup}
 window.__fluxaccel = { badges, toasts: [], copied: [] }; // read by the browser test
@@ -32,7 +32,7 @@ function badgeText(b) {
       : b.graphsLost ? "CUDA graphs lost (re-record limit)" : "CUDA graphs off");
   }
   if (b.speedup) parts.push(`${b.speedup} vs its baseline`); // the Benchmark table's own cell: one rounding
-  if (b.degraded) parts.push(`${b.degraded} ComfyUI/torch/torchao internal${b.degraded > 1 ? "s" : ""} missing (see log)`);
+  if (b.degraded) parts.push(`${b.degraded} degraded: ${(b.degradations || []).join("; ") || "see the log"}`);
   return parts.join(" | ");
 }
 
@@ -63,7 +63,7 @@ function toast(summary, detail) {
 
 function compiledPatch(state) {
   return { shapes: state.short, graphs: state.graphs, graphsOff: state.graphs_off, graphsLost: state.graphs_lost,
-           degraded: state.degraded };
+           degraded: state.degraded, degradations: state.degradations };
 }
 
 api.addEventListener("fluxaccel.compiled", ({ detail }) => {
@@ -107,7 +107,7 @@ const TABLE_CSS = `
 .fluxaccel-table:not(.all-columns) .more { display: none; }
 .fluxaccel-table .notes { margin: 6px 2px 0; white-space: pre-wrap; opacity: 0.85; }`;
 
-// the columns shown at the node's shipped width: config and the first KEY_COLUMNS of core/bench.py's table
+// the columns shown at the node's shipped width: config and the first KEY_COLUMNS of core/bench/benchmark.py's table
 // (s/image, speedup vs its baseline, spread); "All columns" shows the rest
 const KEY_COLUMNS = 3;
 

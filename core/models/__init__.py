@@ -1,0 +1,1 @@
+"""What a FLUX model is: recognising one, meeting current ComfyUI's loaders, and synthetic random-weight models."""

@@ -140,3 +140,12 @@ def test_spread_is_on_every_row_and_noise_over_ten_percent_is_called_out():
     assert len(said) == 1 and "eager-bf16 (32 %)" in said[0] and "bf16+compile" not in said[0]
     assert notes(rows[1:]) == []
     assert "bold" in LEGEND and "spread" in LEGEND and "denoiser" in LEGEND
+
+
+def test_a_connected_positive_gets_its_zeroed_negative():
+    from fluxaccel.nodes.benchmark import zeroed
+
+    pos = [[torch.ones(1, 4, 8), {"pooled_output": torch.ones(1, 8), "guidance": 3.5}]]
+    (ctx, extra), = zeroed(pos)
+    assert ctx.shape == (1, 4, 8) and not ctx.any() and not extra["pooled_output"].any() and extra["guidance"] == 3.5
+    assert pos[0][0].all(), "the positive itself is unchanged"
