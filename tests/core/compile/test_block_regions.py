@@ -49,13 +49,9 @@ def test_eager_with_the_table_is_bit_identical(tiny_flux):
 
 def test_one_region_body_per_block_kind(fresh_dynamo):
     """4 double + 6 single blocks: 10 region calls in one graph, but only 2 bodies (one per kind)."""
-    from support.models import SHAPES
+    from support.models import TINY
 
-    SHAPES["regions-test"] = {**SHAPES["tiny"], "depth": 4, "depth_single_blocks": 6}
-    try:
-        dm = build_flux("regions-test").model.diffusion_model
-    finally:
-        del SHAPES["regions-test"]
+    dm = build_flux({**TINY, "depth": 4, "depth_single_blocks": 6}).model.diffusion_model
     inp = flux_inputs(dm)
     rec = EagerAndRecordGraphs()
     out = _run(torch.compile(dm, backend=rec, fullgraph=True, dynamic=False), inp, BlockRegions(dm).transformer_options())
