@@ -19,6 +19,8 @@ pytestmark = pytest.mark.skipif(bool(comfy038.available()), reason=comfy038.avai
 
 SCRIPT = r"""
 import json, logging, sys, threading, torch
+sys.path.insert(0, "tests")
+from tools.plugin import register; register()
 logging.basicConfig(level=logging.INFO)
 from tools import host; host.import_comfy()
 from tools.comfy038 import use_prefetch_038
