@@ -220,8 +220,7 @@ def serialize_aot(fn) -> bytes:
 
 def graph_break_error() -> type | Unavailable:
     """The exception dynamo raises for a graph break under fullgraph=True (torch._dynamo.exc.Unsupported)."""
-    cls = _attr("torch._dynamo.exc.Unsupported")
-    return cls if isinstance(cls, type) else cls
+    return _attr("torch._dynamo.exc.Unsupported")
 
 
 def graph_break_site(e: BaseException) -> str:
