@@ -17,7 +17,8 @@ def compiled_state(compiled) -> dict:
     st = compiled.stats
     return {
         "shapes": [k.describe() for k in st.shapes],
-        "short": [f"{k.width * 8}x{k.height * 8} b{k.batch} t{k.text_len}" for k in st.compile_seconds],
+        "short": [f"{k.width * k.scale}x{k.height * k.scale} b{k.batch} t{k.text_len}{' +ref' if k.refs else ''}"
+                  for k in st.compile_seconds],
         "graphs": compiled.graphs_running,
         "graphs_lost": "; ".join(f"{k.describe()}: {v}" for k, v in st.graphs_lost.items()),
         "graphs_off": "cudaMallocAsync: start ComfyUI with --disable-cuda-malloc" if st.graphs_off_reason else "",

@@ -14,7 +14,7 @@ SCRIPT = textwrap.dedent(r"""
                 if name == "torchao" or name.startswith("torchao."):
                     raise ImportError(f"No module named {{name!r}} (blocked by the test)")
         sys.meta_path.insert(0, Block())
-    sys.path.insert(0, {root!r}); sys.path.insert(0, {comfy!r})
+    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r}); sys.path.insert(0, {comfy!r})
     from pathlib import Path
     from tools import host
     host.import_comfy(Path({comfy!r}))  # the host under test (this environment has no FLUXACCEL_COMFYUI)
@@ -26,8 +26,9 @@ SCRIPT = textwrap.dedent(r"""
     print("TORCHAO_LOADED", "torchao" in sys.modules)
     import importlib
     from support.shapes import TINY
-    # the plugin as ComfyUI loaded it (its folder's name), not a second copy
-    build_flux = importlib.import_module("comfyui-fluxaccel.core.models.synthetic").build_flux
+    # the plugin as ComfyUI loaded it (under the name it gives the folder), not a second copy
+    plugin_name = next(k for k in sys.modules if k.endswith("comfyui-fluxaccel"))
+    build_flux = importlib.import_module(plugin_name + ".core.models.synthetic").build_flux
     if not BLOCK:
         from tools.cpu_fp8 import lift_torchao_gate
         lift_torchao_gate()  # CPU FP8 for this test process (the plugin itself never lifts torchao's gate)
@@ -44,7 +45,8 @@ SCRIPT = textwrap.dedent(r"""
 
 def _run(block: bool) -> str:
     plugin = str(COMFY_DIR / "custom_nodes" / "comfyui-fluxaccel")
-    code = SCRIPT.format(block=block, root=str(ROOT), comfy=str(COMFY_DIR), plugin=plugin)
+    code = SCRIPT.format(block=block, root=str(ROOT), tests=str(ROOT / "tests"), comfy=str(COMFY_DIR),
+                         plugin=plugin)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={"PATH": "/usr/bin:/bin"})
     assert p.returncode == 0, p.stderr[-3000:]

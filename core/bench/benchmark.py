@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from ..compile.telemetry import cudagraph_skips
+from ..models.flux import latent_scale
 from .metrics import rel_err, sqnr_db
 
 log = logging.getLogger("fluxaccel.bench")
@@ -77,8 +78,8 @@ def _peak_gib(device) -> float | None:
 
 
 def empty_latent(model, case: BenchCase) -> torch.Tensor:
-    ch = model.model.latent_format.latent_channels
-    return torch.zeros(case.batch, ch, case.height // 8, case.width // 8)
+    ch, scale = model.model.latent_format.latent_channels, latent_scale(model)
+    return torch.zeros(case.batch, ch, case.height // scale, case.width // scale)
 
 
 def sample_timed(model, case: BenchCase, positive, negative, latent, on_step: Callable | None = None):

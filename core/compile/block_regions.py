@@ -13,11 +13,16 @@ so other workflow branches using the same model run the original code.
 Two details the region needs:
   * the blocks add their residuals in place (img += ...); a region must not mutate its inputs, so it clones
     them first (inductor folds the copy into the add: same bytes as the in-place add);
+  * FLUX.2 and Chroma hand every block its modulation as ModulationOut records whose tensors are slices of one
+    tensor (computed once per call, outside the blocks); a region takes no inputs that alias each other, so those
+    slices are copied before the call (a few KB per block; FLUX.1's per-block modulation is computed inside);
   * transformer_options carries block_index (a different constant per block): the region would be specialised
     per block and never reused. Nothing inside a FLUX block reads it (ComfyUI 0.3.75), so it is left out; so is
     our own replacement table.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -45,13 +50,25 @@ def _single(block, img, vec, pe, attn_mask, transformer_options):
     return block(img.clone(), vec=vec, pe=pe, attn_mask=attn_mask, transformer_options=transformer_options)
 
 
+def _unaliased(vec):
+    """vec as the region takes it: FLUX.1's tensor as it is; FLUX.2's and Chroma's modulation records (slices of one
+    tensor) copied."""
+    if isinstance(vec, torch.Tensor):
+        return vec
+    if isinstance(vec, (tuple, list)):
+        return type(vec)(_unaliased(v) if not isinstance(v, torch.Tensor) else v.clone() for v in vec)
+    if dataclasses.is_dataclass(vec):
+        return dataclasses.replace(vec, **{f.name: getattr(vec, f.name).clone() for f in dataclasses.fields(vec)})
+    return vec
+
+
 def _shared_options(options: dict | None) -> dict:
     return {k: v for k, v in (options or {}).items() if k not in _PER_BLOCK_KEYS}
 
 
 def _double_replacement(block):
     def replace(args, extra):
-        img, txt = _double(block, args["img"], args["txt"], args["vec"], args["pe"], args.get("attn_mask"),
+        img, txt = _double(block, args["img"], args["txt"], _unaliased(args["vec"]), args["pe"], args.get("attn_mask"),
                            _shared_options(args.get("transformer_options")))
         return {"img": img, "txt": txt}
 
@@ -60,7 +77,7 @@ def _double_replacement(block):
 
 def _single_replacement(block):
     def replace(args, extra):
-        img = _single(block, args["img"], args["vec"], args["pe"], args.get("attn_mask"),
+        img = _single(block, args["img"], _unaliased(args["vec"]), args["pe"], args.get("attn_mask"),
                       _shared_options(args.get("transformer_options")))
         return {"img": img}
 

@@ -32,11 +32,11 @@ class CompiledFlux(torch.nn.Module):
     (which shapes run compiled), the runner (the compiled call) and the telemetry (stats, progress, editor)."""
 
     def __init__(self, dm: torch.nn.Module, cfg: CompileConfig, device: torch.device, variant: str = "",
-                 layout: str | None = None):
+                 layout: str | None = None, scale: int = 8):
         super().__init__()
         # held outside _modules: the live diffusion model must not appear twice in the module tree
         object.__setattr__(self, "_dm", dm)
-        self.cfg, self.device = cfg, torch.device(device)
+        self.cfg, self.device, self.scale = cfg, torch.device(device), scale  # scale: pixels per latent cell
         self.stats = CompileStats()
         self.policy = ShapePolicy(cfg.resolution_policy, cfg.max_shapes)
         self.regions = None
@@ -110,7 +110,7 @@ class CompiledFlux(torch.nn.Module):
 
     def forward(self, x, timestep, context=None, control=None, transformer_options={}, **kwargs):
         refuse_unsupported(control, transformer_options, kwargs, self.regions)
-        key = shape_key(x, context)
+        key = shape_key(x, context, kwargs, self.scale)
         decision = self.policy.decide(key, self.stats.shapes)
         if decision == "eager":  # eager_fallback for a shape that is not compiled: counted, and logged by the policy
             self.stats.eager_calls += 1

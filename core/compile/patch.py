@@ -17,7 +17,7 @@ from .compiled import CompiledFlux
 from ..env import require_torch
 from ..errors import FluxAccelError
 from ..upstream import comfy_internals, torch_internals
-from ..models.flux import on_load_callback_type, partial_load_guard, require_flux, require_fully_loaded
+from ..models.flux import latent_scale, on_load_callback_type, partial_load_guard, require_flux, require_fully_loaded
 
 log = logging.getLogger("fluxaccel.compile")
 
@@ -140,7 +140,8 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
         log.info("FluxAccel: replacing ComfyUI's whole-model torch.compile wrapper with FluxAccel's")
         clone.remove_wrappers_with_key(wt, COMFY_COMPILE_KEY)
         clone.model_options.pop("torch_compile_kwargs", None)
-    compiled = CompiledFlux(dm, cfg, device, variant=model_variant(model), layout=model_layout(model))
+    compiled = CompiledFlux(dm, cfg, device, variant=model_variant(model), layout=model_layout(model),
+                            scale=latent_scale(model))
     compiled.stats.graphs_off_reason = graphs_off
     if graphs_off:
         compiled.stats.degrade("CUDA graphs", graphs_off)

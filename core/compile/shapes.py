@@ -3,7 +3,7 @@ shapes may run compiled under the Compile node's resolution_policy (ShapePolicy)
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 import torch
@@ -15,26 +15,57 @@ log = logging.getLogger("fluxaccel.compile")
 
 @dataclass(frozen=True, order=True)
 class ShapeKey:
-    """What a compiled graph is specialised to: batch, latent H x W, text tokens, dtype."""
+    """What a compiled graph is specialised to: batch, latent H x W, text tokens, dtype, and the reference latents
+    (FLUX.1 Kontext, FLUX.2 editing: their tokens are appended to the image's) as latent (H, W) per reference, with
+    the method that places them. scale: pixels per latent cell (8 for FLUX.1 and Chroma, 16 for FLUX.2), for
+    messages only."""
 
     batch: int
     height: int
     width: int
     text_len: int
     dtype: str
+    refs: tuple[tuple[int, int], ...] = ()
+    ref_method: str = ""
+    scale: int = field(default=8, compare=False)
 
     def describe(self) -> str:
-        return (f"batch {self.batch}, latent {self.height}x{self.width} ({self.width * 8}x{self.height * 8} px), "
+        s = self.scale
+        text = (f"batch {self.batch}, latent {self.height}x{self.width} ({self.width * s}x{self.height * s} px), "
                 f"{self.text_len} text tokens, {self.dtype}")
+        return text + (f", {self.describe_refs()}" if self.refs else "")
+
+    def describe_refs(self) -> str:
+        if not self.refs:
+            return "no reference image"
+        sizes = ", ".join(f"{w * self.scale}x{h * self.scale} px" for h, w in self.refs)
+        method = f" ({self.ref_method})" if self.ref_method else ""
+        return f"reference latents {sizes}{method}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def shape_key(x: torch.Tensor, context: torch.Tensor | None) -> ShapeKey:
+def shape_key(x: torch.Tensor, context: torch.Tensor | None, kwargs: dict | None = None, scale: int = 8) -> ShapeKey:
+    """The key of one diffusion-model call; kwargs: its other inputs (ref_latents, ref_latents_method)."""
     text = int(context.shape[1]) if context is not None else 0
-    return ShapeKey(int(x.shape[0]), int(x.shape[-2]), int(x.shape[-1]), text, dtype_name(x.dtype))
+    kwargs = kwargs or {}
+    refs = tuple((int(r.shape[-2]), int(r.shape[-1])) for r in (kwargs.get("ref_latents") or ()))
+    method = str(kwargs.get("ref_latents_method") or "") if refs else ""
+    return ShapeKey(int(x.shape[0]), int(x.shape[-2]), int(x.shape[-1]), text, dtype_name(x.dtype), refs, method,
+                    scale)
+
+
+def _what_is_new(key: ShapeKey, allowed: Sequence[ShapeKey]) -> str:
+    """' The reference image is new: ...' when the call differs from a compiled shape only in its references."""
+    same_base = [k for k in allowed if (k.batch, k.height, k.width, k.text_len, k.dtype) ==
+                 (key.batch, key.height, key.width, key.text_len, key.dtype)]
+    if not same_base:
+        return ""
+    return (f" Only the reference image differs: {key.describe_refs()} where the compiled shape has "
+            f"{same_base[0].describe_refs()}; resize the reference (e.g. ImageScale / FluxKontextImageScale) to the "
+            f"compiled size or add the pair in the Warmup node.")
 
 
 Decision = Literal["known", "new", "eager"]
@@ -71,9 +102,10 @@ class ShapePolicy:
                 f"{compiled}. Received {key.describe()}. Raise max_shapes on the Compile node, or use one of the "
                 f"compiled resolutions/batch sizes/prompt lengths.")
         raise FluxAccelError(
-            f"This FLUX model is compiled for {compiled}, but received {key.describe()}. Use the compiled "
-            f"resolution, batch size and prompt length (text tokens), or set resolution_policy to 'recompile' "
-            f"(or add the shape in the Warmup node), or 'eager_fallback' on the Compile node.")
+            f"This FLUX model is compiled for {compiled}, but received {key.describe()}.{_what_is_new(key, allowed)} "
+            f"Use the compiled resolution, batch size, prompt length (text tokens) and reference-image size, or set "
+            f"resolution_policy to 'recompile' (or add the shape in the Warmup node), or 'eager_fallback' on the "
+            f"Compile node.")
 
     def register(self, key: ShapeKey, allowed: Sequence[ShapeKey]) -> bool:
         """Warmup's explicit request, whatever the policy, bounded by max_shapes: True if the caller appends it."""

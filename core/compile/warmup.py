@@ -13,7 +13,7 @@ from .shapes import ShapeKey, dtype_name
 from .progress import Report
 from .patch import with_own_shapes
 from ..errors import FluxAccelError
-from ..models.flux import require_flux
+from ..models.flux import latent_scale, require_flux
 from ..models.synthetic import synthetic_conditioning_for
 
 log = logging.getLogger("fluxaccel.warmup")
@@ -21,29 +21,54 @@ log = logging.getLogger("fluxaccel.warmup")
 TICKS = 100  # the Warmup node's progress-bar units per sampling step: its bar also moves inside a step that compiles
 
 
-def parse_resolutions(text: str) -> list[tuple[int, int]]:
-    """'1024x1024, 832x1216' -> [(1024, 1024), (832, 1216)] as (width, height); multiples of 16 only."""
+def _size(part: str, what: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)\s*[x×X*]\s*(\d+)", part)
+    if not m:
+        raise FluxAccelError(f"Warmup: cannot read {what} {part!r}; write WIDTHxHEIGHT, e.g. 1024x1024, 832x1216, "
+                             f"and a reference image's size after a '+', e.g. 1024x1024+1024x1024")
+    w, h = int(m.group(1)), int(m.group(2))
+    if w % 16 or h % 16 or w < 16 or h < 16:
+        raise FluxAccelError(f"Warmup: {what} {w}x{h} is not a FLUX size; width and height must be multiples of 16")
+    return w, h
+
+
+def parse_resolutions(text: str) -> list[tuple]:
+    """'1024x1024, 832x1216' -> [(1024, 1024), (832, 1216)] as (width, height); multiples of 16 only. A size with
+    reference images (FLUX.1 Kontext, FLUX.2 editing) lists them after '+': '1024x1024+1024x1024' ->
+    (1024, 1024, ((1024, 1024),))."""
     out = []
     for part in re.split(r"[,;\s]+", text.strip()):
         if not part:
             continue
-        m = re.fullmatch(r"(\d+)\s*[x×X*]\s*(\d+)", part)
-        if not m:
-            raise FluxAccelError(f"Warmup: cannot read resolution {part!r}; write WIDTHxHEIGHT, e.g. 1024x1024, 832x1216")
-        w, h = int(m.group(1)), int(m.group(2))
-        if w % 16 or h % 16 or w < 16 or h < 16:
-            raise FluxAccelError(f"Warmup: {w}x{h} is not a FLUX resolution; width and height must be multiples of 16")
-        if (w, h) not in out:
-            out.append((w, h))
+        image, *refs = part.split("+")
+        entry = _size(image, "resolution")
+        if refs:
+            entry = (*entry, tuple(_size(r, "reference size") for r in refs))
+        if entry not in out:
+            out.append(entry)
     if not out:
         raise FluxAccelError("Warmup: no resolution given; write e.g. 1024x1024")
     return out
 
 
-def warmup(model, resolutions: list[tuple[int, int]], batch_size: int = 1, text_length: int = 256, cfg: float = 1.0,
+def _with_references(conditioning, refs: tuple, channels: int, scale: int):
+    """A copy of `conditioning` whose every entry carries zero reference latents of these pixel sizes (what
+    ReferenceLatent would attach; the values do not matter for compiling)."""
+    latents = [torch.zeros(1, channels, h // scale, w // scale) for w, h in refs]
+    return [[c, {**extra, "reference_latents": latents}] for c, extra in conditioning]
+
+
+def _call_references(conditioning, scale: int) -> tuple[tuple, str]:
+    """The reference latents a conditioning gives the model: (latent (H, W) per reference, method)."""
+    extra = conditioning[0][1]
+    refs = tuple((int(r.shape[-2]), int(r.shape[-1])) for r in (extra.get("reference_latents") or ()))
+    return refs, (str(extra.get("reference_latents_method") or "") if refs else "")
+
+
+def warmup(model, resolutions: list[tuple], batch_size: int = 1, text_length: int = 256, cfg: float = 1.0,
            steps: int = 2, positive=None, negative=None, sampler: str = "euler", scheduler: str = "simple",
            on_step: Callable[[], None] | None = None, on_compile: Report | None = None):
-    """Sample `steps` steps at each resolution. Returns (model, {shape description: seconds of its first sampling
+    """Sample `steps` steps at each resolution (with its reference-image sizes, if it lists any). Returns (model, {shape description: seconds of its first sampling
     run}): a clone whose compiled model allows these shapes; the input model (the Compile node's output) keeps its
     own shapes and policy, also when warming up fails. on_compile(text, seconds): every second while a shape
     compiles (compile_progress.py)."""
@@ -59,19 +84,24 @@ def warmup(model, resolutions: list[tuple[int, int]], batch_size: int = 1, text_
     model_batch = batch_size * (2 if cfg > 1 else 1)  # ComfyUI batches cond and uncond into one call
     dtype = model.model.get_dtype() if model.model.manual_cast_dtype is None else model.model.manual_cast_dtype
     ch = model.model.latent_format.latent_channels
+    scale = latent_scale(model)
     seconds = {}
-    for w, h in resolutions:
-        key = ShapeKey(model_batch, h // 8, w // 8, text_len, dtype_name(dtype))
+    for w, h, *listed in resolutions:
+        pos, neg = positive, negative
+        if listed:
+            pos, neg = (_with_references(c, listed[0], ch, scale) for c in (positive, negative))
+        refs, method = _call_references(pos, scale)
+        key = ShapeKey(model_batch, h // scale, w // scale, text_len, dtype_name(dtype), refs, method, scale)
         if compiled is not None:
             compiled.register_shape(key)
-        latent = torch.zeros(batch_size, ch, h // 8, w // 8)
+        latent = torch.zeros(batch_size, ch, h // scale, w // scale)
         noise = comfy.sample.prepare_noise(latent, 0)
         t0 = time.perf_counter()
         before = compiled.on_progress if compiled is not None else None
         if compiled is not None and on_compile is not None:
             compiled.on_progress = on_compile
         try:
-            comfy.sample.sample(model, noise, steps, cfg, sampler, scheduler, positive, negative, latent,
+            comfy.sample.sample(model, noise, steps, cfg, sampler, scheduler, pos, neg, latent,
                                 callback=(lambda *a: on_step()) if on_step else None, disable_pbar=True, seed=0)
         finally:
             if compiled is not None:

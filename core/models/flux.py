@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import FluxAccelError
+from .profiles import Profile, profile_of, require_profile
 
 FP8_DTYPES = tuple(
     getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)
@@ -15,29 +16,27 @@ def diffusion_model(model) -> torch.nn.Module:
 
 
 def require_flux(model, node: str) -> torch.nn.Module:
-    """Return the FLUX diffusion model of a ComfyUI MODEL, or raise naming what was received."""
+    """Return the diffusion model of a ComfyUI MODEL of a supported FLUX architecture (profiles.py), or raise naming
+    what was received."""
     base = getattr(model, "model", None)
     dm = getattr(base, "diffusion_model", None)
-    try:
-        from comfy.ldm.flux.model import Flux as FluxDiT
-    except ImportError:  # pragma: no cover - only outside ComfyUI
-        FluxDiT = None
-    is_flux = (
-        dm is not None
-        and (FluxDiT is None or isinstance(dm, FluxDiT))
-        and hasattr(dm, "double_blocks")
-        and hasattr(dm, "single_blocks")
-        and getattr(getattr(dm, "params", None), "global_modulation", False) is False
-    )
-    if not is_flux:
-        kind = type(base).__name__ if base is not None else type(model).__name__
-        inner = type(dm).__name__ if dm is not None else "none"
-        raise FluxAccelError(
-            f"{node} accelerates FLUX.1 diffusion models (dev, schnell and their fine-tunes), but received a "
-            f"{kind} model (diffusion model class {inner}). Connect the MODEL output of a FLUX.1 checkpoint "
-            f"or UNETLoader, or bypass this node for this model."
-        )
+    kind = type(base).__name__ if base is not None else type(model).__name__
+    require_profile(dm, kind, node)
     return dm
+
+
+def profile(model) -> Profile:
+    """The profile of a MODEL that require_flux accepted."""
+    dm = model.model.diffusion_model
+    found = profile_of(dm)
+    if found is None:
+        raise FluxAccelError(f"not a supported FLUX model: {type(dm).__name__}")
+    return found
+
+
+def latent_scale(model) -> int:
+    """Pixels per latent cell of a MODEL: 8 for FLUX.1 and Chroma, 16 for FLUX.2 (its latent format says)."""
+    return int(getattr(model.model.latent_format, "spacial_downscale_ratio", 8))
 
 
 def require_fully_loaded(model, node: str) -> None:

@@ -10,6 +10,11 @@ is one of SHAPES or a FluxParams dict of the same form:
            width
   dev      FLUX.1-dev shape (19 double + 38 single blocks, guidance embedding)
   schnell  FLUX.1-schnell shape (no guidance embedding)
+  e2e-flux2  FLUX.2 architecture at hidden 256 (2 heads), 1 double + 1 single block, [klein] 9B's text width
+  klein-4b / klein-9b / flux2-dev   FLUX.2 [klein] 4B, [klein] 9B and [dev] 32B shapes
+  e2e-chroma Chroma at its own width 3072 (ComfyUI's detection fixes Chroma's guidance network at 3072 wide),
+           1 double + 1 single block
+  chroma   Chroma's shape (19 double + 38 single blocks, the distilled guidance network)
 """
 from __future__ import annotations
 
@@ -26,6 +31,17 @@ _BASE = dict(
     image_model="flux", in_channels=16, out_channels=16, patch_size=2, mlp_ratio=4.0, theta=10000,
     qkv_bias=True, axes_dim=[16, 56, 56], num_heads=24, hidden_size=3072, context_in_dim=4096, vec_in_dim=768,
 )
+# FLUX.2 as comfy/model_detection.py (0.33) configures it; widths and depths per model below
+_FLUX2 = dict(
+    image_model="flux2", in_channels=128, out_channels=128, patch_size=1, mlp_ratio=3.0, theta=2000, qkv_bias=False,
+    axes_dim=[32, 32, 32, 32], vec_in_dim=None, global_modulation=True, mlp_silu_act=True, ops_bias=False,
+    default_ref_method="index", ref_index_scale=10.0, txt_ids_dims=[3], guidance_embed=False,
+)
+_CHROMA = dict(
+    image_model="chroma", in_channels=64, out_channels=64, patch_size=2, mlp_ratio=4.0, theta=10000, qkv_bias=True,
+    axes_dim=[16, 56, 56], num_heads=24, hidden_size=3072, context_in_dim=4096, vec_in_dim=None, in_dim=64,
+    out_dim=3072, hidden_dim=5120, n_layers=5, txt_ids_dims=[],
+)
 SHAPES: dict[str, dict] = {
     "e2e": {**_BASE, "hidden_size": 256, "num_heads": 2, "depth": 1, "depth_single_blocks": 1, "guidance_embed": True},
     "e2e-schnell": {**_BASE, "hidden_size": 256, "num_heads": 2, "depth": 1, "depth_single_blocks": 1,
@@ -33,23 +49,69 @@ SHAPES: dict[str, dict] = {
     "e2e-3072": {**_BASE, "depth": 1, "depth_single_blocks": 1, "guidance_embed": True},
     "dev": {**_BASE, "depth": 19, "depth_single_blocks": 38, "guidance_embed": True},
     "schnell": {**_BASE, "depth": 19, "depth_single_blocks": 38, "guidance_embed": False},
+    "e2e-flux2": {**_FLUX2, "hidden_size": 256, "num_heads": 2, "context_in_dim": 12288, "depth": 1,
+                  "depth_single_blocks": 1},
+    "klein-4b": {**_FLUX2, "hidden_size": 3072, "num_heads": 24, "context_in_dim": 7680, "depth": 5,
+                 "depth_single_blocks": 20},
+    "klein-9b": {**_FLUX2, "hidden_size": 4096, "num_heads": 32, "context_in_dim": 12288, "depth": 8,
+                 "depth_single_blocks": 24},
+    "flux2-dev": {**_FLUX2, "hidden_size": 6144, "num_heads": 48, "context_in_dim": 15360, "depth": 8,
+                  "depth_single_blocks": 48, "guidance_embed": True},
+    "e2e-chroma": {**_CHROMA, "depth": 1, "depth_single_blocks": 1},
+    "chroma": {**_CHROMA, "depth": 19, "depth_single_blocks": 38},
 }
 
 
+def _params_class(image_model: str):
+    """ComfyUI's parameter dataclass of an architecture on the running host (Chroma has its own)."""
+    if image_model == "chroma":
+        import comfy.ldm.chroma.model
+
+        return comfy.ldm.chroma.model.ChromaParams
+    import comfy.ldm.flux.model
+
+    return comfy.ldm.flux.model.FluxParams
+
+
 def unet_config(shape: str | dict) -> dict:
-    """The unet_config ComfyUI's own detection would give this shape on the running host: ComfyUI 0.33's FluxParams
-    also takes txt_ids_dims ([] for FLUX.1, as comfy/model_detection.py sets it); 0.3.75's does not accept it."""
+    """The unet_config ComfyUI's own detection would give this shape on the running host: the parameters its
+    architecture's dataclass takes there (0.3.75's FluxParams takes no txt_ids_dims; FLUX.2's flags need 0.33)."""
     try:
         cfg = dict(shape) if isinstance(shape, dict) else dict(SHAPES[shape])
     except KeyError:
         raise ValueError(f"unknown FLUX shape {shape!r}; choose one of {sorted(SHAPES)}") from None
     import dataclasses
 
+    cfg.setdefault("txt_ids_dims", [])
+    fields = {f.name for f in dataclasses.fields(_params_class(cfg["image_model"]))}
+    missing = [k for k in cfg if k not in fields and k != "image_model" and cfg[k] not in ([], None, False)]
+    if missing:
+        raise ValueError(f"this ComfyUI cannot build the {cfg['image_model']} shape: its parameters lack "
+                         f"{', '.join(missing)}")
+    return {k: v for k, v in cfg.items() if k in fields or k == "image_model"}
+
+
+def _model_config(cfg: dict):
+    """The comfy.supported_models class ComfyUI's detection picks for this unet_config."""
+    import comfy.supported_models as sm
+
+    if cfg["image_model"] == "chroma":
+        return sm.Chroma(cfg)
+    if cfg["image_model"] == "flux2":
+        return sm.Flux2(cfg)
+    if cfg["in_channels"] == 96:
+        return sm.FluxInpaint(cfg)
+    return (sm.Flux if cfg["guidance_embed"] else sm.FluxSchnell)(cfg)
+
+
+def _module_class(image_model: str):
+    if image_model == "chroma":
+        import comfy.ldm.chroma.model
+
+        return comfy.ldm.chroma.model.Chroma
     import comfy.ldm.flux.model
 
-    if "txt_ids_dims" in {f.name for f in dataclasses.fields(comfy.ldm.flux.model.FluxParams)}:
-        cfg["txt_ids_dims"] = []
-    return cfg
+    return comfy.ldm.flux.model.Flux
 
 
 @torch.no_grad()
@@ -57,7 +119,7 @@ def init_random_(module: torch.nn.Module, seed: int = 0) -> None:
     """Seeded random weights of sane scale: Linear weights ~ N(0, 1/fan_in), biases small, norm scales 1."""
     for i, (name, p) in enumerate(module.named_parameters()):
         g = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
-        if name.endswith(("scale", "_norm.weight")):  # RMSNorm gains: .scale (0.3.75), .weight (0.33)
+        if name.endswith(("scale", "_norm.weight")) or ".norms." in name:  # RMSNorm gains: .scale (0.3.75), .weight
             p.fill_(1.0)
         elif p.dim() >= 2:
             fan_in = p.shape[1]
@@ -77,14 +139,12 @@ def save_atomic(sd: dict, path: Path, metadata: dict | None = None) -> None:
 
 
 def build_flux(shape: str | dict, dtype=torch.bfloat16, device="cpu", seed: int = 0):
-    """A ComfyUI ModelPatcher around a random-weight FLUX built through comfy.supported_models.Flux."""
+    """A ComfyUI ModelPatcher around a random-weight FLUX built through the comfy.supported_models class ComfyUI's
+    detection picks for it (Flux, FluxSchnell, FluxInpaint, Flux2, Chroma)."""
     import comfy.model_management
     import comfy.model_patcher
-    import comfy.supported_models
 
-    cfg = unet_config(shape)
-    conf_cls = comfy.supported_models.Flux if cfg["guidance_embed"] else comfy.supported_models.FluxSchnell
-    conf = conf_cls(cfg)
+    conf = _model_config(unet_config(shape))
     conf.set_inference_dtype(dtype, None)
     model = conf.get_model({}, device=device)
     model.diffusion_model.to(device=device, dtype=dtype)
@@ -109,13 +169,13 @@ def write_flux_file(path: str | os.PathLike, shape: str | dict = "e2e", seed: in
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    import comfy.ldm.flux.model
     import comfy.ops
 
     cfg = unet_config(shape)
     params = {k: v for k, v in cfg.items() if k != "image_model"}
     with torch.device("meta"):
-        meta = comfy.ldm.flux.model.Flux(dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init, **params)
+        meta = _module_class(cfg["image_model"])(dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init,
+                                                 **params)
     sd = {}
     for i, (name, p) in enumerate(meta.named_parameters()):
         t = torch.empty(p.shape, dtype=torch.bfloat16, device=device)
@@ -142,11 +202,12 @@ def synthetic_conditioning(shape: str | dict, text_len: int = 16, batch: int = 1
                            seed: int = 0):
     """Hand-built FLUX conditioning [[context, {pooled_output, guidance}]] replacing the text encoders."""
     cfg = unet_config(shape)
-    return _conditioning(cfg["context_in_dim"], cfg["vec_in_dim"], text_len, batch, guidance, seed)
+    return _conditioning(cfg["context_in_dim"], cfg.get("vec_in_dim") or 768, text_len, batch, guidance, seed)
 
 
 def synthetic_conditioning_for(dm: torch.nn.Module, text_len: int, batch: int = 1, guidance: float = 3.5,
                                seed: int = 0):
     """The same, with the widths read off a FLUX diffusion model."""
-    vec_dim = dm.vector_in.in_layer.in_features if dm.vector_in is not None else 768
+    vector_in = getattr(dm, "vector_in", None)  # FLUX.2 has None, Chroma none at all: the pooled vector is unused
+    vec_dim = vector_in.in_layer.in_features if vector_in is not None else 768
     return _conditioning(dm.txt_in.in_features, vec_dim, text_len, batch, guidance, seed)

@@ -11,7 +11,6 @@ compiled model takes no tensor-subclass inputs (no per-call flatten/unflatten or
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import Iterable, Literal
 
@@ -19,6 +18,7 @@ import torch
 
 from ..env import require_torchao
 from ..errors import FluxAccelError
+from ..models.profiles import FLUX1, Profile
 from ..upstream.torchao_internals import float8_primitives
 
 Granularity = Literal["per_tensor", "per_row"]
@@ -29,19 +29,17 @@ SCOPES: tuple[str, ...] = ("blocks", "blocks+modulation", "all_linear")
 LAYOUTS: tuple[str, ...] = ("subclass", "plain")
 DEFAULT_LAYOUT: Layout = "plain"  # measured faster on the H200 at both benchmark shapes (bench/NOTES.md, session 4)
 
-_IN_BLOCKS = re.compile(r"^(double_blocks|single_blocks)\.\d+\.")
-# FLUX's modulation linears: img_mod/txt_mod in double blocks, modulation in single blocks.
-_MODULATION = re.compile(r"\.(img_mod|txt_mod|modulation)\.lin$")
 
 
 @dataclass(frozen=True)
 class Fp8Config:
     """Which Linears of a FLUX diffusion model to quantize, and with which scale granularity.
 
-    scope:
+    scope (where a FLUX architecture keeps its modulation Linears: models/profiles.py):
       blocks             the Linears inside double/single blocks, except modulation (default: the GEMMs
                          that carry ~all FLOPs; embedders, modulation and the final layer stay bf16)
-      blocks+modulation  also the modulation Linears (small M: they see one token per image)
+      blocks+modulation  also the modulation Linears (small M: FLUX.1's per-block img_mod/txt_mod/modulation,
+                         FLUX.2's three shared modulations, Chroma's distilled guidance network)
       all_linear         every Linear, embedders and final layer included
 
     layout:
@@ -84,13 +82,10 @@ class Fp8Config:
         return Float8DynamicActivationFloat8WeightConfig(granularity=gran, set_inductor_config=False, **pin)
 
 
-def in_scope(name: str, scope: str) -> bool:
-    """Name filter over diffusion-model-relative Linear names (e.g. 'double_blocks.0.img_attn.qkv')."""
-    if scope == "all_linear":
-        return True
-    if not _IN_BLOCKS.match(name):
-        return False
-    return scope == "blocks+modulation" or not _MODULATION.search(name)
+def in_scope(name: str, scope: str, profile: Profile = FLUX1) -> bool:
+    """Name filter over diffusion-model-relative Linear names (e.g. 'double_blocks.0.img_attn.qkv'); where the
+    modulation Linears are depends on the architecture (models/profiles.py)."""
+    return profile.in_scope(name, scope)
 
 
 @dataclass
@@ -99,12 +94,13 @@ class Selection:
     skipped: dict[str, str] = field(default_factory=dict)  # name -> reason
 
 
-def select_linears(named_linears: Iterable[tuple[str, torch.nn.Linear]], cfg: Fp8Config) -> Selection:
+def select_linears(named_linears: Iterable[tuple[str, torch.nn.Linear]], cfg: Fp8Config,
+                   profile: Profile = FLUX1) -> Selection:
     """Split the Linears into those to quantize and those kept, with the reason for each kept one."""
     sel = Selection()
     for name, lin in named_linears:
         w = lin.weight
-        if not in_scope(name, cfg.scope):
+        if not in_scope(name, cfg.scope, profile):
             sel.skipped[name] = f"outside scope '{cfg.scope}'"
         elif w.shape[0] % 16 or w.shape[1] % 16:
             sel.skipped[name] = f"shape {tuple(w.shape)} not divisible by 16 (FP8 GEMM needs it)"

@@ -22,7 +22,8 @@ from ..models.loaded import (checkpoint_format, is_checkpoint_quantized, linear_
                            resident)
 from ..env import require_fp8_device, require_torch, require_torchao
 from ..errors import FluxAccelError
-from ..models.flux import on_load_callback_type, partial_load_guard, require_bf16_weights, require_flux, require_fully_loaded
+from ..models.flux import (on_load_callback_type, partial_load_guard, profile, require_bf16_weights, require_flux,
+                           require_fully_loaded)
 from .fp8 import DEFAULT_LAYOUT, Fp8Config, linear_weight_bytes, select_linears
 from .linear import detached_copy, is_fp8_linear, quantize_linear
 
@@ -299,7 +300,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     originals = original_linears(model)
     require_bf16_weights([m for m in originals.values() if not is_checkpoint_quantized(m.weight)], node)
     compute_dtype = getattr(model.model, "manual_cast_dtype", None)
-    sel = select_linears(((n, _as_selected(m)) for n, m in originals.items()), cfg)
+    sel = select_linears(((n, _as_selected(m)) for n, m in originals.items()), cfg, profile(model))
 
     clone = model.clone()
     report = Fp8Report(cfg.granularity, cfg.scope, str(device), skipped=dict(sel.skipped), layout=cfg.layout)

@@ -56,9 +56,10 @@ def sample(model, seed=0, steps=2, cfg=1.0, sampler="euler", hw=16, text_len=16,
     return comfy.sample.sample(model, noise, steps, cfg, sampler, "simple", pos, neg, latent, disable_pbar=True, seed=seed)
 
 
-def denoise_once(model, hw=16, text_len=16):
+def denoise_once(model, hw=16, text_len=16, refs=()):
     """One apply_model call (the denoiser forward) through ComfyUI's BaseModel, compile wrapper included; the
-    conditioning's widths are read off the model (tiny or FLUX-width)."""
+    conditioning's widths and the latent's channels are read off the model (any FLUX architecture, tiny or full
+    width). refs: latent (H, W) of reference latents to pass (FLUX.1 Kontext, FLUX.2 editing)."""
     import comfy.model_management as mm
     from comfy.patcher_extension import WrapperExecutor, WrappersMP, get_all_wrappers
 
@@ -66,14 +67,18 @@ def denoise_once(model, hw=16, text_len=16):
 
     mm.load_models_gpu([model])
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(1, 16, hw, hw, generator=g)
+    bm = model.model
+    ch = bm.latent_format.latent_channels
+    x = torch.randn(1, ch, hw, hw, generator=g)
     pos = synthetic_conditioning_for(model.model.diffusion_model, text_len)
     ctx, extra = pos[0]
-    bm = model.model
+    conds = bm.extra_conds(noise=x, device=x.device, cross_attn=ctx, pooled_output=extra["pooled_output"],
+                           guidance=3.5, reference_latents=[torch.randn(1, ch, h, w, generator=g) for h, w in refs]
+                           or None)
+    kwargs = {k: v.cond if hasattr(v, "cond") else v for k, v in conds.items()}
     executor = WrapperExecutor.new_class_executor(bm._apply_model, bm, get_all_wrappers(
         WrappersMP.APPLY_MODEL, model.model_options, is_model_options=True) + model.get_all_wrappers(WrappersMP.APPLY_MODEL))
-    return executor.execute(x, torch.tensor([0.7]), c_crossattn=ctx, transformer_options={},
-                            y=extra["pooled_output"], guidance=torch.tensor([3.5])).float()
+    return executor.execute(x, torch.tensor([0.7]), transformer_options={}, **kwargs).float()
 
 
 # The start of a script run in a new Python process (tests of what a restarted ComfyUI reuses): a real ComfyUI

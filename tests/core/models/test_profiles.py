@@ -1,0 +1,82 @@
+"""core/models/profiles.py: every FLUX architecture ComfyUI builds, quantized, compiled, warmed and benchmarked.
+
+Each profile's tiny model is built in-process from ComfyUI's own classes (comfy.supported_models → model_base →
+comfy.ldm.flux / comfy.ldm.chroma), bf16 on the CPU; FLUX.1 Kontext is FLUX.1 called with reference latents."""
+import pytest
+import torch
+
+from conftest import COMFY_VERSION
+from fluxaccel.core.bench.metrics import rel_err
+from fluxaccel.core.compile.config import CompileConfig
+from fluxaccel.core.compile.patch import apply_compile, compiled_of
+from fluxaccel.core.errors import FluxAccelError
+from fluxaccel.core.models.profiles import CHROMA, FLUX1, FLUX2, profile_of, require_profile
+from fluxaccel.core.quant.fp8 import Fp8Config
+from fluxaccel.core.quant.patch import apply_fp8
+from support.models import build_flux
+from support.runs import denoise_once
+from support.shapes import TINY, TINY_CHROMA, TINY_FILL, TINY_FLUX2
+
+pytestmark = pytest.mark.skipif(COMFY_VERSION != "0.33.0", reason="FLUX.2's FluxParams flags are ComfyUI 0.33's")
+
+# (shape, expected profile, variant, reference latents of the call)
+CASES = {
+    "flux1": (TINY, FLUX1, "FLUX.1", ()),
+    "fill": (TINY_FILL, FLUX1, "FLUX.1 Fill", ()),
+    "kontext": (TINY, FLUX1, "FLUX.1", ((16, 16),)),
+    "flux2": (TINY_FLUX2, FLUX2, "FLUX.2", ()),
+    "flux2-refs": (TINY_FLUX2, FLUX2, "FLUX.2", ((8, 8), (16, 8))),
+    "chroma": (TINY_CHROMA, CHROMA, "Chroma", ()),
+}
+HW = {"flux2": 8, "flux2-refs": 8}  # FLUX.2 latents are 1/16 of the image: 8x8 cells = 128 px
+
+
+@pytest.mark.parametrize("case", ["flux1", "fill", "flux2", "chroma"])
+def test_profile_read_from_comfyui_objects(case):
+    shape, profile, variant, _ = CASES[case]
+    dm = build_flux(shape).model.diffusion_model
+    assert profile_of(dm) is profile and profile.variant(dm) == variant
+
+
+def test_other_models_are_refused_by_name():
+    from comfy.ldm.chroma_radiance.model import ChromaRadiance
+
+    radiance = ChromaRadiance.__new__(ChromaRadiance)  # the class is all that is read: no weights needed
+    torch.nn.Module.__init__(radiance)
+    radiance.double_blocks, radiance.single_blocks = torch.nn.ModuleList(), torch.nn.ModuleList()
+    with pytest.raises(FluxAccelError, match=r"FLUX.2 \(\[dev\].*ChromaRadiance.*pixel space"):
+        require_profile(radiance, "ChromaRadiance", "Compile + CUDA Graph (FluxAccel)")
+    with pytest.raises(FluxAccelError, match="received a Linear model .*class Linear"):
+        require_profile(torch.nn.Linear(2, 2), "Linear", "Quantize FP8 (FluxAccel)")
+
+
+@pytest.mark.parametrize("case", ["flux1", "fill", "kontext", "flux2", "flux2-refs", "chroma"])
+def test_fp8_error_within_the_naive_torchao_recipe(cpu_fp8, case):
+    """Quantize FP8's default (per-row, the profile's 'blocks' scope) against bf16, on one denoiser forward, is no
+    worse than torchao's naive recipe (per-row FP8 on every Linear) on the same model and inputs."""
+    shape, profile, _, refs = CASES[case]
+    model = build_flux(shape)
+    hw = HW.get(case, 16)
+    ref = denoise_once(model, hw=hw, refs=refs)
+    ours, report = apply_fp8(model, Fp8Config("per_row"))
+    naive, _ = apply_fp8(model, Fp8Config("per_row", scope="all_linear", layout="subclass"))
+    e_ours, e_naive = rel_err(denoise_once(ours, hw=hw, refs=refs), ref), rel_err(denoise_once(naive, hw=hw, refs=refs), ref)
+    assert 0 < e_ours < 0.08, e_ours  # the project's FP8 bound on a tiny model's forward (tests/core/quant)
+    assert e_ours <= e_naive or e_naive != e_naive, (e_ours, e_naive)  # naive may overflow to NaN: worse still
+    names = [n for n, m in model.model.diffusion_model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert sorted(report.quantized) == sorted(n for n in names if profile.in_scope(n, "blocks"))
+    assert not any(profile.in_scope(n, "blocks") for n in report.skipped if "modulation" in n or "_mod." in n)
+
+
+@pytest.mark.parametrize("case", ["flux1", "fill", "kontext", "flux2", "flux2-refs", "chroma"])
+def test_compiled_equals_eager_in_float32(case):
+    shape, _, _, refs = CASES[case]
+    model = build_flux(shape, dtype=torch.float32)
+    hw = HW.get(case, 16)
+    ref = denoise_once(model, hw=hw, refs=refs)
+    compiled_model, compiled = apply_compile(model, CompileConfig(cuda_graphs=False, warm_start=False))
+    out = denoise_once(compiled_model, hw=hw, refs=refs)
+    assert rel_err(out, ref) < 1e-4
+    assert len(compiled.stats.shapes) == 1 and compiled.stats.eager_calls == 0
+    assert compiled.stats.shapes[0].refs == tuple(refs)
+    assert torch.equal(denoise_once(model, hw=hw, refs=refs), ref), "the input model runs uncompiled"
