@@ -35,8 +35,13 @@ log = logging.getLogger("fluxaccel.bench")
 CASES = {
     # name: model shape, width, height, steps, text tokens, timed runs
     "tiny-cpu": dict(shape="e2e", width=64, height=64, steps=2, text_length=16, runs=2),
+    # the FLUX.2 architecture at width 256 (1 double + 1 single block): a functional check of FLUX.2 on the CPU
+    "flux2-tiny-cpu": dict(shape="e2e-flux2", width=128, height=128, steps=2, text_length=16, runs=1),
     "dev-1024-28": dict(shape="dev", width=1024, height=1024, steps=28, text_length=512, runs=3),
     "schnell-512-4": dict(shape="schnell", width=512, height=512, steps=4, text_length=256, runs=5),
+    # FLUX.2 [klein] 9B's shape: its own 4 steps, and 28 (per-step figures comparable with FLUX.1-dev's)
+    "klein9b-1024-4": dict(shape="klein-9b", width=1024, height=1024, steps=4, text_length=512, runs=3),
+    "klein9b-1024-28": dict(shape="klein-9b", width=1024, height=1024, steps=28, text_length=512, runs=2),
 }
 WORKFLOWS = {
     # suite: (workflow, ComfyUI launch flags it needs on a GPU)
@@ -144,6 +149,35 @@ def merge_results(bench_files: list[dict]) -> list[dict]:
     return rows
 
 
+def server_start() -> str:
+    """How this run's ComfyUI starts, as far as FluxAccel's compile cache tells: on a fresh machine (no cache
+    folder, or an empty one) or as a restart that finds earlier compiles."""
+    from fluxaccel.core.compile.kernel_cache import default_dir
+
+    folder = default_dir()
+    entries = list(folder.iterdir()) if folder.is_dir() else []
+    if not entries:
+        return f"fresh machine (compile cache {folder} empty)"
+    return f"restart (compile cache {folder} holds {len(entries)} entries from earlier runs)"
+
+
+def host_memory(server, weights_file: Path) -> dict:
+    """The ComfyUI server's peak host RSS (the kernel's VmHWM: resident anonymous and file-backed pages, mmapped
+    weights included) next to the size of the model's weights file."""
+    out = {"weights_file_gib": round(weights_file.stat().st_size / 1024**3, 2) if weights_file.exists() else None}
+    try:
+        status = Path(f"/proc/{server.proc.pid}/status").read_text()
+    except (AttributeError, OSError) as e:
+        return {**out, "server_peak_rss_gib": None, "why": f"cannot read the server's /proc status: {e}"}
+    kib = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith(("VmHWM", "VmRSS"))}
+    peak = kib.get("VmHWM")
+    out["server_peak_rss_gib"] = round(peak / 1024**2, 2) if peak else None
+    out["server_rss_now_gib"] = round(kib["VmRSS"] / 1024**2, 2) if "VmRSS" in kib else None
+    if peak and out["weights_file_gib"]:
+        out["peak_rss_over_weights"] = round(peak / 1024**2 / out["weights_file_gib"], 2)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", choices=sorted(CASES), help="default: dev-1024-28 on a GPU, tiny-cpu without")
@@ -185,7 +219,8 @@ def main(argv=None) -> int:
         from fluxaccel.core.models.synthetic import write_flux_file
 
         unet_name = f"fluxaccel-random-{case['shape']}.safetensors"
-        what = ("timings and memory match the real model, images do not" if case["shape"] in ("dev", "schnell") else
+        what = ("timings and memory match the real model, images do not"
+                if case["shape"] in ("dev", "schnell", "klein-9b") else
                 "FLUX's width with 1 double + 1 single block: a functional check, its timings are not a real model's")
         print(f"No --checkpoint given: building FLUX '{case['shape']}' architecture with seeded RANDOM weights "
               f"({unet_dir / unet_name}); {what}.", flush=True)
@@ -217,6 +252,8 @@ def main(argv=None) -> int:
     path = out / f"{stem}.json"  # the latest run; every run also keeps its own files under <stem>-<time>
     run_stem = out / f"{stem}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     files: list[tuple[int, dict]] = []  # (node id, benchmark file), in completion order
+    start = server_start()
+    memory: dict = {}  # the server's host memory, read while it runs (after each Benchmark node and before stop)
     kept: list[str] = []  # each Benchmark node's table and chart, copied next to the run's JSON
 
     def write(complete: bool) -> list[dict]:
@@ -231,6 +268,8 @@ def main(argv=None) -> int:
             "weights": weights,
             "settings": {**case, "runs": runs, "server_args": server_args},
             "complete": complete,
+            "start": start,
+            "host_memory": memory,
             "results": rows,
         }
         from fluxaccel.core.bench.results import dumps
@@ -253,6 +292,7 @@ def main(argv=None) -> int:
                         src = server.output_dir / rel
                         bench_file = json.loads(src.read_text())
                         files.append((int(data["node"]), bench_file))
+                        memory.update(host_memory(server, unet_dir / unet_name))
                         for kind, name in (bench_file.get("files") or {}).items():
                             if kind in ("md", "png"):
                                 dest = f"{run_stem.name}-node{data['node']}.{kind}"
@@ -277,6 +317,8 @@ def main(argv=None) -> int:
             for bar in bars.values():
                 bar.close()
         finally:
+            if server.proc is not None and server.proc.poll() is None:
+                memory.update(host_memory(server, unet_dir / unet_name))
             server.stop()
             if Path(server.log_path).is_file():  # kept with the run's results
                 shutil.copy(server.log_path, run_stem.with_suffix(".log"))
