@@ -65,6 +65,19 @@ def _call_references(conditioning, scale: int) -> tuple[tuple, str]:
     return refs, (str(extra.get("reference_latents_method") or "") if refs else "")
 
 
+def text_tokens(model, context: torch.Tensor) -> int:
+    """The text length the diffusion model is called with for this conditioning: ComfyUI's own extra_conds decide
+    (its FLUX.2 pads the text to 512 tokens)."""
+    latent = torch.zeros(1, model.model.latent_format.latent_channels, 8, 8)
+    try:
+        conds = model.model.extra_conds(cross_attn=context, noise=latent, device=torch.device("cpu"))
+        return int(conds["c_crossattn"].cond.shape[1])
+    except (KeyError, TypeError, AttributeError, RuntimeError) as e:  # a model whose conditioning we cannot replay
+        log.warning("FluxAccel warmup: cannot tell how ComfyUI passes this text to the model (%s: %s); warming up "
+                    "for %d text tokens as given", type(e).__name__, e, context.shape[1])
+        return int(context.shape[1])
+
+
 def warmup(model, resolutions: list[tuple], batch_size: int = 1, text_length: int = 256, cfg: float = 1.0,
            steps: int = 2, positive=None, negative=None, sampler: str = "euler", scheduler: str = "simple",
            on_step: Callable[[], None] | None = None, on_compile: Report | None = None):
@@ -80,7 +93,7 @@ def warmup(model, resolutions: list[tuple], batch_size: int = 1, text_length: in
         positive = synthetic_conditioning_for(dm, text_length)
     if negative is None:
         negative = synthetic_conditioning_for(dm, positive[0][0].shape[1], seed=1)
-    text_len = positive[0][0].shape[1]
+    text_len = text_tokens(model, positive[0][0])
     model_batch = batch_size * (2 if cfg > 1 else 1)  # ComfyUI batches cond and uncond into one call
     dtype = model.model.get_dtype() if model.model.manual_cast_dtype is None else model.model.manual_cast_dtype
     ch = model.model.latent_format.latent_channels

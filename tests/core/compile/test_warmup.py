@@ -74,3 +74,45 @@ def test_a_sibling_branch_of_the_compile_output_keeps_its_strict_policy(tiny_flu
         latent = torch.zeros(1, 16, 24, 16)
         comfy.sample.sample(upstream, latent, 1, 1.0, "euler", "simple", pos, pos, latent, disable_pbar=True, seed=0)
     torch._dynamo.reset()
+
+
+def test_parse_resolutions_with_reference_images():
+    assert parse_resolutions("1024x1024+1024x1024, 832x1216") == [(1024, 1024, ((1024, 1024),)), (832, 1216)]
+    assert parse_resolutions("512x512+256x256+128x256") == [(512, 512, ((256, 256), (128, 256)))]
+    with pytest.raises(FluxAccelError, match="reference size 100x100 is not a FLUX size"):
+        parse_resolutions("128x128+100x100")
+
+
+def test_reference_sizes_are_warmed_refused_under_strict_and_counted_under_recompile(tiny_flux):
+    """FLUX.1 Kontext: reference latents lengthen the image tokens. Warmup compiles a (resolution, reference size)
+    pair; strict then refuses another reference size naming it; recompile compiles it as a shape of its own."""
+    import comfy.sample
+
+    clear_compile_counters()
+    torch._dynamo.reset()
+    upstream, _ = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict"))
+    model, _ = warmup(upstream, [(128, 128, ((128, 128),))], text_length=16, steps=1)
+    key = compiled_of(model).stats.shapes[0]
+    assert key.refs == ((16, 16),) and "reference latents 128x128 px" in key.describe()
+    graphs = compiled_graphs()
+    pos = synthetic_conditioning("tiny", text_len=16, seed=42)
+
+    def kontext(ref_hw):
+        ref = torch.randn(1, 16, *ref_hw)
+        cond = [[c, {**extra, "reference_latents": [ref]}] for c, extra in pos]
+        latent = torch.zeros(1, 16, 16, 16)
+        comfy.sample.sample(model, latent, 1, 1.0, "euler", "simple", cond, cond, latent, disable_pbar=True, seed=0)
+
+    kontext((16, 16))
+    assert compiled_graphs() == graphs, "the warmed pair must not compile again"
+    with pytest.raises(FluxAccelError, match=r"Only the reference image differs: reference latents 192x128 px where "
+                                             r"the compiled shape has reference latents 128x128 px"):
+        kontext((16, 24))
+    assert compiled_graphs() == graphs
+    again, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="recompile", max_shapes=4))
+    model = again
+    kontext((16, 16))
+    kontext((16, 24))
+    assert [k.refs for k in compiled.stats.shapes] == [((16, 16),), ((16, 24),)]
+    assert len(compiled.stats.compile_seconds) == 2 and compiled.stats.eager_calls == 0
+    torch._dynamo.reset()

@@ -80,3 +80,39 @@ def test_compiled_equals_eager_in_float32(case):
     assert len(compiled.stats.shapes) == 1 and compiled.stats.eager_calls == 0
     assert compiled.stats.shapes[0].refs == tuple(refs)
     assert torch.equal(denoise_once(model, hw=hw, refs=refs), ref), "the input model runs uncompiled"
+
+
+@pytest.mark.parametrize("case", ["kontext", "fill", "flux2-refs", "chroma"])
+def test_quantize_compile_warmup_benchmark_chain(cpu_fp8, case):
+    """Quantize FP8 → Compile → Warmup → Benchmark on each architecture: Warmup compiles the shape (with its
+    reference sizes), the Benchmark's runs at that shape compile nothing more, and its accelerated row is the FP8
+    model's (error vs bf16 within the FP8 bound)."""
+    from fluxaccel.core.bench.benchmark import BenchCase, benchmark
+    from fluxaccel.core.compile.warmup import warmup
+    from fluxaccel.core.models.flux import latent_scale
+    from fluxaccel.core.models.synthetic import synthetic_conditioning_for
+    from support.runs import clear_compile_counters, compiled_graphs
+
+    shape, _, _, refs = CASES[case]
+    model = build_flux(shape)
+    scale, ch = latent_scale(model), model.model.latent_format.latent_channels
+    px = 128
+    clear_compile_counters()
+    torch._dynamo.reset()
+    q, _ = apply_fp8(model, Fp8Config("per_row"))
+    compiled_model, _ = apply_compile(q, CompileConfig(cuda_graphs=False, warm_start=False))
+    pixel_refs = tuple((w * scale, h * scale) for h, w in refs)
+    warmed, secs = warmup(compiled_model, [(px, px, pixel_refs) if refs else (px, px)], text_length=16, steps=1)
+    key = compiled_of(warmed).stats.shapes[0]
+    assert key.refs == tuple(refs) and key.height == px // scale and len(secs) == 1
+    graphs = compiled_graphs()
+    assert graphs == 1
+    pos = synthetic_conditioning_for(model.model.diffusion_model, 16)
+    if refs:
+        pos = [[c, {**extra, "reference_latents": [torch.randn(1, ch, h, w) for h, w in refs]}] for c, extra in pos]
+    rows = benchmark([("eager", model), ("accelerated", warmed)], BenchCase(width=px, height=px, steps=1, runs=1),
+                     pos, pos)
+    assert compiled_graphs() == graphs, "the warmed shape must not compile again"
+    assert [r.config for r in rows] == ["eager", "accelerated"]
+    assert 0 < rows[1].denoiser_rel_err < 0.08
+    torch._dynamo.reset()
