@@ -6,7 +6,9 @@
 #           EXTRA_WHEELS="comfyui-frontend-package==1.32.9" TORCHAO_VERSION=0.18.0
 # and call:  bash bench/device.sh --case dev-1024-28 [--suite core] [more tools/bench.py args]
 #        or:  bash bench/device.sh --reliability   (tools/reliability.py: interrupt, /free, 50 prompts on the GPU)
-# Results land in $OUT/results, the ComfyUI log in $OUT. FLUXACCEL_PROBES=1 first runs bench/probes/*.
+# Results land in $OUT/results (the run's JSON only: at most 8 files come back from a call), the ComfyUI log in $OUT;
+# the per-node tables and charts stay on the machine in /tmp/fluxaccel-results. FLUXACCEL_PROBES=1 first runs
+# bench/probes/*. Several cases in one call: --cases "a b" (each with the same other arguments).
 set -euo pipefail
 export FLUXACCEL_COMFYUI=${FLUXACCEL_COMFYUI:-0.33.0}
 if [ "$FLUXACCEL_COMFYUI" = 0.3.75 ]; then source .gpu/setup-on-device.sh; else source .gpu033/setup-on-device.sh; fi
@@ -25,4 +27,19 @@ if [ "${1:-}" = "--reliability" ]; then  # the GPU reliability cases instead of 
   shift
   exec python3 tools/reliability.py "$@" --out "$OUT/results" --models-dir /tmp/fluxaccel-models
 fi
-python3 tools/bench.py "$@" --out "$OUT/results" --models-dir /tmp/fluxaccel-models --log "$OUT/comfyui-$(date +%s).log"
+WORK=/tmp/fluxaccel-results
+mkdir -p "$WORK"
+run_case() {
+  local before
+  before=$(date +%s)
+  python3 tools/bench.py "$@" --out "$WORK" --models-dir /tmp/fluxaccel-models --log "$OUT/comfyui-$(date +%s).log" || true
+  # the latest JSON of this run (not the per-run copies, tables and charts)
+  find "$WORK" -maxdepth 1 -name '*.json' -newermt "@$before" ! -name '*-20[0-9][0-9][0-9][0-9][0-9][0-9]-*' \
+    -exec cp {} "$OUT/results/" \;
+}
+if [ "${1:-}" = "--cases" ]; then
+  cases=$2; shift 2
+  for c in $cases; do run_case --case "$c" "$@"; done
+else
+  run_case "$@"
+fi
