@@ -116,3 +116,37 @@ def test_quantize_compile_warmup_benchmark_chain(cpu_fp8, case):
     assert [r.config for r in rows] == ["eager", "accelerated"]
     assert 0 < rows[1].denoiser_rel_err < 0.08
     torch._dynamo.reset()
+
+
+# files UNETLoader loads: ComfyUI's own detection (comfy/model_detection.py) must recognise each architecture
+FILES = {
+    "flux2": ("e2e-flux2", "FLUX.2", "Flux2"),
+    "fill": ({**TINY_FILL, "context_in_dim": 4096, "vec_in_dim": 768}, "FLUX.1 Fill", "Flux"),
+    "chroma": ("e2e-chroma", "Chroma", "Chroma"),  # Chroma's guidance network is 3072 wide in ComfyUI's detection
+}
+
+
+@pytest.mark.parametrize("case", sorted(FILES))
+def test_files_are_detected_by_comfyui_and_quantized(cpu_fp8, case, tmp_path_factory):
+    """A random-weight file per architecture, loaded by UNETLoader's loader (comfy.sd.load_diffusion_model):
+    detected as that architecture, and quantized by Quantize FP8 with its profile's scope."""
+    import comfy.sd
+
+    from conftest import ROOT
+    from support.models import write_flux_file
+
+    shape, variant, model_class = FILES[case]
+    name = shape if isinstance(shape, str) else "e2e-fill"
+    path = write_flux_file(ROOT / ".cache" / "models" / "diffusion_models" / f"fluxaccel-random-{name}.safetensors",
+                           shape)
+    model = comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.bfloat16})
+    dm = model.model.diffusion_model
+    assert type(model.model).__name__ == model_class and profile_of(dm).variant(dm) == variant
+    q, report = apply_fp8(model, Fp8Config("per_row"))
+    profile = profile_of(dm)
+    names = [n for n, m in dm.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert sorted(report.quantized) == sorted(n for n in names if profile.in_scope(n, "blocks"))
+    if case != "chroma":  # one forward of the 3072-wide Chroma's guidance network costs ~10 s here: flux2/fill only
+        ref = denoise_once(model, hw=8 if case == "flux2" else 16)
+        out = denoise_once(q, hw=8 if case == "flux2" else 16)
+        assert 0 < rel_err(out, ref) < 0.08
