@@ -97,18 +97,36 @@ def test_compile_benchmark_configurations_run_and_match_eager(server):
         assert err < (0.1 if "fp8" in name.lower() else 2e-2), (name, err)
 
 
-def test_txt2img_api_workflow_is_valid_but_for_model_files(server):
-    """The FLUX.1-dev txt2img workflow needs the real T5/CLIP text encoders and VAE, which a CPU CI machine has not
-    (no downloads): POST /prompt validates the whole graph, and the only complaints are those missing files."""
+MISSING = {  # the files a CPU CI machine has not (no downloads): text encoders, VAE, the image to edit (LoadImage
+    # checks its file itself: custom_validation_failed)
+    "fluxaccel_txt2img_dev.json": {("DualCLIPLoader", "clip_name1"), ("DualCLIPLoader", "clip_name2"),
+                                   ("VAELoader", "vae_name")},
+    "fluxaccel_txt2img_flux2_klein.json": {("CLIPLoader", "clip_name"), ("VAELoader", "vae_name")},
+    "fluxaccel_kontext_edit.json": {("DualCLIPLoader", "clip_name1"), ("DualCLIPLoader", "clip_name2"),
+                                    ("VAELoader", "vae_name"), ("LoadImage", "image")},
+}
+UNETS = {"fluxaccel_txt2img_flux2_klein.json": "fluxaccel-random-e2e-flux2.safetensors"}
+
+
+@pytest.mark.parametrize("name", sorted(MISSING))
+def test_model_workflows_are_valid_but_for_model_files(server, name):
+    """The FLUX.1-dev txt2img, FLUX.2 [klein] txt2img and FLUX.1 Kontext edit workflows need real text encoders, VAEs
+    (and an input image) that a CPU CI machine has not: POST /prompt validates the whole graph, with a random-weight
+    file of the workflow's architecture in the UNETLoader, and the only complaints are those missing files."""
+    from support.models import write_flux_file
     from tools.comfy_server import PromptRejected
 
-    api = json.loads((EXAMPLES / "api" / "fluxaccel_txt2img_dev.json").read_text())
-    api["1"]["inputs"]["unet_name"] = E2E_UNET
+    from .conftest import MODELS_DIR
+
+    api = json.loads((EXAMPLES / "api" / name).read_text())
+    unet = UNETS.get(name, E2E_UNET)
+    if name in UNETS:
+        write_flux_file(MODELS_DIR / "diffusion_models" / unet, "e2e-flux2")
+    api["1"]["inputs"]["unet_name"] = unet
     with pytest.raises(PromptRejected) as exc:
         server.queue(api)
     errs = exc.value.body["node_errors"]
     complaints = {(errs[n]["class_type"], e["extra_info"].get("input_name"), e["type"])
                   for n in errs for e in errs[n]["errors"]}
-    assert complaints == {("DualCLIPLoader", "clip_name1", "value_not_in_list"),
-                          ("DualCLIPLoader", "clip_name2", "value_not_in_list"),
-                          ("VAELoader", "vae_name", "value_not_in_list")}, complaints
+    assert complaints == {(c, i, "custom_validation_failed" if c == "LoadImage" else "value_not_in_list")
+                          for c, i in MISSING[name]}, complaints
