@@ -17,7 +17,7 @@ class Compile(io.ComfyNode):
             description="torch.compile of the whole FLUX diffusion model (never per block) with CUDA graphs, for "
                         "fixed-shape latents. Put it after Quantize FP8; add Warmup to compile before the first prompt.",
             inputs=[
-                io.Model.Input("model", tooltip="A FLUX.1 model, optionally FP8-quantized by FluxAccel."),
+                io.Model.Input("model", tooltip="A FLUX.1, FLUX.2 or Chroma model, optionally FP8-quantized by FluxAccel."),
                 io.Boolean.Input("cuda_graphs", default=True,
                                  tooltip="Capture CUDA graphs (removes kernel-launch overhead). Needs ComfyUI started "
                                          "with --disable-cuda-malloc: under ComfyUI's default allocator the model "

@@ -17,7 +17,7 @@ class SyntheticConditioning(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="The FLUX model the conditioning is for (gives its text widths)."),
                 io.Int.Input("text_length", default=256, min=1, max=4096,
-                             tooltip="T5 tokens: 256 is ComfyUI's FLUX padding, 512 common for FLUX.1-dev."),
+                             tooltip="Text tokens: 256 is ComfyUI's FLUX.1 padding, 512 common for FLUX.1-dev; FLUX.2 pads to 512."),
                 io.Float.Input("guidance", default=3.5, min=0.0, max=100.0, step=0.1,
                                tooltip="FLUX guidance embedding value (ignored by schnell)."),
                 io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=True,

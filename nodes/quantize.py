@@ -15,13 +15,14 @@ class QuantizeFP8(io.ComfyNode):
             description="FP8 dynamic-activation + FP8-weight quantization (torchao) of a FLUX model's Linear "
                         "layers, for this branch only. Needs an NVIDIA GPU of compute capability 8.9+.",
             inputs=[
-                io.Model.Input("model", tooltip="A FLUX.1 model loaded in bf16 (UNETLoader weight_dtype 'default')."),
+                io.Model.Input("model", tooltip="A FLUX.1, FLUX.2 or Chroma model loaded in bf16 (UNETLoader weight_dtype 'default')."),
                 io.Combo.Input("granularity", options=list(GRANULARITIES), default="per_row",
                                tooltip="per_row: one scale per weight row and per activation token (more "
                                        "accurate). per_tensor: one scale per tensor (fewer scaling ops)."),
                 io.Combo.Input("scope", options=list(SCOPES), default="blocks",
                                tooltip="blocks: Linears in the double/single blocks except modulation. "
-                                       "blocks+modulation: also modulation. all_linear: also embedders and final layer."),
+                                       "blocks+modulation: also modulation (FLUX.1's per-block, FLUX.2's three shared, "
+                                       "Chroma's distilled guidance network). all_linear: also embedders and final layer."),
                 io.Combo.Input("layout", options=list(LAYOUTS), default=DEFAULT_LAYOUT, optional=True,
                                tooltip="plain (default): FP8 data and scales held as plain tensors, torchao's own "
                                        "math; a compiled model has no tensor-subclass inputs to unwrap on each call "
