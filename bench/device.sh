@@ -6,6 +6,7 @@
 #           EXTRA_WHEELS="comfyui-frontend-package==1.32.9" TORCHAO_VERSION=0.18.0
 # and call:  bash bench/device.sh --case dev-1024-28 [--suite core] [more tools/bench.py args]
 #        or:  bash bench/device.sh --reliability   (tools/reliability.py: interrupt, /free, 50 prompts on the GPU)
+#        or:  bash bench/device.sh --first-prompts --case klein9b-1024-4   (tools/first_prompts.py)
 # Results land in $OUT/results (the run's JSON only: at most 8 files come back from a call), the ComfyUI log in $OUT;
 # the per-node tables and charts stay on the machine in /tmp/fluxaccel-results. FLUXACCEL_PROBES=1 first runs
 # bench/probes/*. Several cases in one call: --cases "a b" (each with the same other arguments).
@@ -26,6 +27,10 @@ fi
 if [ "${1:-}" = "--reliability" ]; then  # the GPU reliability cases instead of a benchmark
   shift
   exec python3 tools/reliability.py "$@" --out "$OUT/results" --models-dir /tmp/fluxaccel-models
+fi
+if [ "${1:-}" = "--first-prompts" ]; then  # tools/first_prompts.py: each configuration's first and second prompt
+  shift
+  exec python3 tools/first_prompts.py "$@" --out "$OUT/results" --models-dir /tmp/fluxaccel-models
 fi
 WORK=/tmp/fluxaccel-results
 mkdir -p "$WORK"

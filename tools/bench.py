@@ -149,16 +149,16 @@ def merge_results(bench_files: list[dict]) -> list[dict]:
     return rows
 
 
-def server_start() -> str:
-    """How this run's ComfyUI starts, as far as FluxAccel's compile cache tells: on a fresh machine (no cache
-    folder, or an empty one) or as a restart that finds earlier compiles."""
+def server_start() -> tuple[str, str]:
+    """How this run's ComfyUI starts, as far as FluxAccel's compile cache tells: "fresh" (no cache folder, or an
+    empty one: a new machine or a cleared cache) or "restart" (it finds earlier compiles); and what was seen."""
     from fluxaccel.core.compile.kernel_cache import default_dir
 
     folder = default_dir()
     entries = list(folder.iterdir()) if folder.is_dir() else []
     if not entries:
-        return f"fresh machine (compile cache {folder} empty)"
-    return f"restart (compile cache {folder} holds {len(entries)} entries from earlier runs)"
+        return "fresh", f"compile cache {folder} empty or absent"
+    return "restart", f"compile cache {folder} holds {len(entries)} entries from earlier runs"
 
 
 def host_memory(server, weights_file: Path) -> dict:
@@ -252,7 +252,7 @@ def main(argv=None) -> int:
     path = out / f"{stem}.json"  # the latest run; every run also keeps its own files under <stem>-<time>
     run_stem = out / f"{stem}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     files: list[tuple[int, dict]] = []  # (node id, benchmark file), in completion order
-    start = server_start()
+    start, start_detail = server_start()
     memory: dict = {}  # the server's host memory, read while it runs (after each Benchmark node and before stop)
     kept: list[str] = []  # each Benchmark node's table and chart, copied next to the run's JSON
 
@@ -269,6 +269,7 @@ def main(argv=None) -> int:
             "settings": {**case, "runs": runs, "server_args": server_args},
             "complete": complete,
             "start": start,
+            "start_detail": start_detail,
             "host_memory": memory,
             "results": rows,
         }

@@ -66,7 +66,7 @@ def test_non_flux_model_into_each_node(server, sd3_file, node):
     with pytest.raises(PromptFailed) as exc:
         server.run(prompt)
     msg = str(exc.value)
-    assert "accelerates FLUX.1 diffusion models" in msg and "received a SD3 model" in msg, msg
+    assert "accelerates FLUX.1 (dev, schnell, Fill, Kontext and fine-tunes), FLUX.2" in msg and "received a SD3 model" in msg, msg
     assert "bypass this node" in msg
     _check_server_still_works(server)
 

@@ -1,0 +1,136 @@
+"""The first image as a user waits for it: each configuration's first and second prompt in one real ComfyUI server,
+timed by ComfyUI itself (its execution_start → execution_success timestamps), load and quantize included.
+
+    python tools/first_prompts.py --case klein9b-1024-4                 # FluxAccel default first, then core eager
+    python tools/first_prompts.py --case dev-1024-28 --configs fluxaccel eager torchcompile
+
+Each prompt is UNETLoader → [Quantize FP8 → Compile | TorchCompileModel] → KSampler → SaveLatent with synthetic
+conditioning. The configurations run in the order given, in one server: the first one's first prompt is the server's
+first (what a user meets after starting ComfyUI); later ones share ComfyUI's cached UNETLoader output, as a user's
+second workflow on the same server would. The second prompt of each (another seed) is its steady state. The JSON says
+how the server started ("fresh": no compile cache; "restart": one from earlier runs) and the server's peak host RSS.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
+register()
+
+from tools import host  # noqa: E402
+from tools.bench import CASES, host_memory, server_start  # noqa: E402
+from tools.comfy_server import ComfyServer  # noqa: E402
+
+log = logging.getLogger("fluxaccel.first_prompts")
+
+CONFIGS = {
+    # name: the nodes between UNETLoader ("1") and the KSampler, as (id, class, inputs with "MODEL" for the model)
+    "fluxaccel": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
+                  ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
+                                             "max_shapes": 4, "persistent_cache": True, "block_regions": True})],
+    "eager": [],
+    "torchcompile": [("5", "TorchCompileModel", {"backend": "inductor"})],
+}
+
+
+def prompt_for(config: str, case: dict, unet_name: str, seed: int, flux2: bool) -> dict:
+    """One configuration's prompt; node ids are shared between configurations so ComfyUI's cache reuses the loader."""
+    p = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet_name, "weight_dtype": "default"}},
+        "2": {"class_type": "FluxAccelSyntheticConditioning",
+              "inputs": {"model": ["1", 0], "text_length": case["text_length"], "guidance": 3.5, "seed": 0}},
+        "3": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["2", 0]}},
+        "4": {"class_type": "EmptyFlux2LatentImage" if flux2 else "EmptySD3LatentImage",
+              "inputs": {"width": case["width"], "height": case["height"], "batch_size": 1}},
+    }
+    model = ["1", 0]
+    for nid, cls, inputs in CONFIGS[config]:
+        p[f"{config}-{nid}"] = {"class_type": cls, "inputs": {"model": model, **inputs}}
+        model = [f"{config}-{nid}", 0]
+    p["7"] = {"class_type": "KSampler", "inputs": {
+        "model": model, "seed": seed, "steps": case["steps"], "cfg": 1.0, "sampler_name": "euler",
+        "scheduler": "simple", "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0}}
+    p["8"] = {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0], "filename_prefix": f"first-{config}"}}
+    return p
+
+
+def execution_seconds(hist: dict) -> float:
+    """ComfyUI's own time for a prompt: its execution_start → execution_success timestamps (milliseconds)."""
+    stamps = {m[0]: m[1].get("timestamp") for m in hist["status"]["messages"]}
+    return (stamps["execution_success"] - stamps["execution_start"]) / 1000
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", choices=sorted(CASES), default=None, help="default: dev-1024-28 on a GPU, tiny-cpu without")
+    ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=["fluxaccel", "eager"])
+    ap.add_argument("--out", help="folder for the JSON (default: bench/results on a GPU, .cache/bench-results on the CPU)")
+    ap.add_argument("--models-dir", default=str(ROOT / ".cache" / "models"))
+    ap.add_argument("--server-arg", action="append", default=[], help="extra ComfyUI launch flag (repeatable)")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[fluxaccel] %(message)s")
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    case_name = a.case or ("dev-1024-28" if gpu else "tiny-cpu")
+    case = CASES[case_name]
+    comfy_dir = host.import_comfy(host.ensure_host())
+    from fluxaccel.core.models.synthetic import SHAPES, write_flux_file
+
+    unet_dir = Path(a.models_dir) / "diffusion_models"
+    unet_name = f"fluxaccel-random-{case['shape']}.safetensors"
+    write_flux_file(unet_dir / unet_name, case["shape"], device="cuda" if gpu else "cpu")
+    if gpu:
+        torch.cuda.empty_cache()
+    flux2 = SHAPES[case["shape"]]["image_model"] == "flux2"
+    start, start_detail = server_start()
+    server_args = list(a.server_arg) + ([] if gpu else list(host.CPU_SERVER_ARGS))
+    rows, memory = [], {}
+    out = Path(a.out) if a.out else ROOT / ("bench/results" if gpu else ".cache/bench-results")
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "cpu" if not gpu else gpu.lower().replace(" ", "-")
+    path = out / f"{tag}-{case_name}-first-prompts-{start}.json"
+    command = "python tools/first_prompts.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
+
+    def write(complete: bool) -> None:  # after every configuration: a run cut short keeps what it measured
+        path.write_text(json.dumps({
+            "case": case_name, "gpu": gpu or "cpu", "start": start, "start_detail": start_detail, "command": command,
+            "comfyui": host.comfy_version(comfy_dir), "torch": torch.__version__,
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "weights": f"random weights, FLUX shape '{case['shape']}'", "settings": {**case, "server_args": server_args},
+            "order": "configurations in this order in one server; later ones reuse ComfyUI's cached UNETLoader output",
+            "complete": complete, "host_memory": memory, "results": rows,
+        }, indent=1) + "\n")
+
+    with tempfile.TemporaryDirectory(prefix="fluxaccel-first-") as work:
+        server = ComfyServer(comfy_dir, Path(work), Path(a.models_dir), tuple(server_args), cpu_fp8=not gpu)
+        try:
+            server.start()
+            for config in a.configs:
+                times = []
+                for seed in (1, 2):
+                    log.info("%s: prompt %d", config, seed)
+                    times.append(execution_seconds(server.run(prompt_for(config, case, unet_name, seed, flux2))))
+                rows.append({"config": config, "first_prompt_s": round(times[0], 3), "second_prompt_s": round(times[1], 3)})
+                memory.update(host_memory(server, unet_dir / unet_name))
+                write(complete=False)
+        finally:
+            server.stop()
+    write(complete=True)
+    for r in rows:
+        print(f"{r['config']:>14}: first prompt {r['first_prompt_s']:.2f} s, second {r['second_prompt_s']:.2f} s")
+    print(f"({start}: {start_detail}; peak host RSS {memory.get('server_peak_rss_gib')} GiB) wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
