@@ -45,7 +45,7 @@ def test_editor_in_a_real_browser(server):
         assert title in found, (f"{title!r} not in the node search results: {r['searchResults']}; "
                                f"open dialogs: {r.get('openDialogs')}; log: {p.stderr[-1500:]}")
     templates = sorted(p.stem for p in (ROOT / "example_workflows").glob("*.json"))
-    assert len(templates) == 5 and all(t in r["templateCards"] for t in templates), r["templateCards"]
+    assert len(templates) == 7 and all(t in r["templateCards"] for t in templates), r["templateCards"]
     # every card has its own picture where the frontend asks for it (getTemplateThumbnailUrl: the template's name
     # with its mediaSubtype, jpg for extension templates); templates.png shows the cards
     for t in templates:
