@@ -120,8 +120,10 @@ def main(argv=None) -> int:
                 for seed in (1, 2):
                     log.info("%s: prompt %d", config, seed)
                     times.append(execution_seconds(server.run(prompt_for(config, case, unet_name, seed, flux2))))
-                rows.append({"config": config, "first_prompt_s": round(times[0], 3), "second_prompt_s": round(times[1], 3)})
                 memory.update(host_memory(server, unet_dir / unet_name))
+                rows.append({"config": config, "first_prompt_s": round(times[0], 3), "second_prompt_s": round(times[1], 3),
+                             # the kernel's high-water mark so far: what this configuration's prompts added to the peak
+                             "server_peak_rss_gib_so_far": memory.get("server_peak_rss_gib")})
                 write(complete=False)
         finally:
             server.stop()
