@@ -19,7 +19,7 @@ import torch
 
 from .config import MODES, POLICIES, CompileConfig  # noqa: F401  (the compile config's home is config.py)
 from .runner import Runner
-from .shapes import ShapeKey, ShapePolicy, dtype_name, shape_key  # noqa: F401
+from .shapes import ShapeKey, ShapePolicy, dtype_name, shape_key, without_references  # noqa: F401
 from .options import refuse_unsupported
 from .stats import CompileStats
 from .telemetry import Telemetry
@@ -32,11 +32,12 @@ class CompiledFlux(torch.nn.Module):
     (which shapes run compiled), the runner (the compiled call) and the telemetry (stats, progress, editor)."""
 
     def __init__(self, dm: torch.nn.Module, cfg: CompileConfig, device: torch.device, variant: str = "",
-                 layout: str | None = None, scale: int = 8):
+                 layout: str | None = None, scale: int = 8, references: bool = True):
         super().__init__()
         # held outside _modules: the live diffusion model must not appear twice in the module tree
         object.__setattr__(self, "_dm", dm)
         self.cfg, self.device, self.scale = cfg, torch.device(device), scale  # scale: pixels per latent cell
+        self.references = references  # whether the architecture reads reference latents (models/profiles.py)
         self.stats = CompileStats()
         self.policy = ShapePolicy(cfg.resolution_policy, cfg.max_shapes)
         self.regions = None
@@ -110,6 +111,8 @@ class CompiledFlux(torch.nn.Module):
 
     def forward(self, x, timestep, context=None, control=None, transformer_options={}, **kwargs):
         refuse_unsupported(control, transformer_options, kwargs, self.regions)
+        if not self.references:
+            kwargs = without_references(kwargs)
         key = shape_key(x, context, kwargs, self.scale)
         decision = self.policy.decide(key, self.stats.shapes)
         if decision == "eager":  # eager_fallback for a shape that is not compiled: counted, and logged by the policy

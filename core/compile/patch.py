@@ -17,7 +17,8 @@ from .compiled import CompiledFlux
 from ..env import require_torch
 from ..errors import FluxAccelError
 from ..upstream import comfy_internals, torch_internals
-from ..models.flux import latent_scale, on_load_callback_type, partial_load_guard, require_flux, require_fully_loaded
+from ..models.flux import (latent_scale, on_load_callback_type, partial_load_guard, profile, require_flux,
+                           require_fully_loaded)
 
 log = logging.getLogger("fluxaccel.compile")
 
@@ -141,7 +142,7 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
         clone.remove_wrappers_with_key(wt, COMFY_COMPILE_KEY)
         clone.model_options.pop("torch_compile_kwargs", None)
     compiled = CompiledFlux(dm, cfg, device, variant=model_variant(model), layout=model_layout(model),
-                            scale=latent_scale(model))
+                            scale=latent_scale(model), references=profile(model).references)
     compiled.stats.graphs_off_reason = graphs_off
     if graphs_off:
         compiled.stats.degrade("CUDA graphs", graphs_off)

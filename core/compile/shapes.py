@@ -57,6 +57,22 @@ def shape_key(x: torch.Tensor, context: torch.Tensor | None, kwargs: dict | None
                     scale)
 
 
+REFERENCE_INPUTS = ("ref_latents", "ref_latents_method")
+_said_unread: list[bool] = []
+
+
+def without_references(kwargs: dict) -> dict:
+    """A call's inputs without reference latents, for an architecture that does not read them (Chroma: ComfyUI hands
+    them over as to FLUX.1, and its forward ignores them): they neither reach the graph nor make a new shape."""
+    if not any(k in kwargs for k in REFERENCE_INPUTS):
+        return kwargs
+    if not _said_unread:
+        _said_unread.append(True)
+        log.info("FluxAccel: this model's architecture does not read reference latents (ComfyUI's own forward ignores "
+                 "them); the compiled call leaves them out")
+    return {k: v for k, v in kwargs.items() if k not in REFERENCE_INPUTS}
+
+
 def _what_is_new(key: ShapeKey, allowed: Sequence[ShapeKey]) -> str:
     """' The reference image is new: ...' when the call differs from a compiled shape only in its references."""
     same_base = [k for k in allowed if (k.batch, k.height, k.width, k.text_len, k.dtype) ==

@@ -150,3 +150,16 @@ def test_files_are_detected_by_comfyui_and_quantized(cpu_fp8, case, tmp_path_fac
         ref = denoise_once(model, hw=8 if case == "flux2" else 16)
         out = denoise_once(q, hw=8 if case == "flux2" else 16)
         assert 0 < rel_err(out, ref) < 0.08
+
+
+def test_an_architecture_without_references_compiles_one_shape_whatever_references_arrive():
+    """Chroma gets reference latents from ComfyUI like FLUX.1 (its model class inherits their conditioning) and its
+    forward ignores them: the compiled call leaves them out, so another reference size is neither a new shape nor a
+    refusal, and the output is eager's."""
+    model = build_flux(TINY_CHROMA, dtype=torch.float32)
+    ref = denoise_once(model, refs=((16, 16),))
+    assert torch.equal(ref, denoise_once(model)), "ComfyUI's Chroma ignores reference latents"
+    compiled_model, compiled = apply_compile(model, CompileConfig(cuda_graphs=False, warm_start=False))
+    assert rel_err(denoise_once(compiled_model, refs=((16, 16),)), ref) < 1e-4
+    assert rel_err(denoise_once(compiled_model, refs=((8, 24),)), ref) < 1e-4
+    assert [k.refs for k in compiled.stats.shapes] == [()] and len(compiled.stats.compile_seconds) == 1
