@@ -166,15 +166,14 @@ def host_memory(server, weights_file: Path) -> dict:
     weights included) next to the size of the model's weights file."""
     out = {"weights_file_gib": round(weights_file.stat().st_size / 1024**3, 2) if weights_file.exists() else None}
     try:
-        status = Path(f"/proc/{server.proc.pid}/status").read_text()
+        mem = server.memory_bytes()
     except (AttributeError, OSError) as e:
         return {**out, "server_peak_rss_gib": None, "why": f"cannot read the server's /proc status: {e}"}
-    kib = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith(("VmHWM", "VmRSS"))}
-    peak = kib.get("VmHWM")
-    out["server_peak_rss_gib"] = round(peak / 1024**2, 2) if peak else None
-    out["server_rss_now_gib"] = round(kib["VmRSS"] / 1024**2, 2) if "VmRSS" in kib else None
+    peak = mem.get("VmHWM", 0) / 1024**3
+    out["server_peak_rss_gib"] = round(peak, 2) if peak else None
+    out["server_rss_now_gib"] = round(mem["VmRSS"] / 1024**3, 2) if "VmRSS" in mem else None
     if peak and out["weights_file_gib"]:
-        out["peak_rss_over_weights"] = round(peak / 1024**2 / out["weights_file_gib"], 2)
+        out["peak_rss_over_weights"] = round(peak / out["weights_file_gib"], 2)
     return out
 
 

@@ -200,10 +200,15 @@ class ComfyServer:
         f = hist["outputs"][node]["latents"][0]
         return load_file(str(self.output_dir / f["subfolder"] / f["filename"]))["latent_tensor"]
 
+    def memory_bytes(self) -> dict[str, int]:
+        """The server process's resident memory now (VmRSS) and its high-water mark (VmHWM), from /proc (Linux)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
+                    if line.startswith(("VmRSS:", "VmHWM:"))}
+
     def rss_bytes(self) -> int:
         """Resident memory of the server process (Linux)."""
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        return self.memory_bytes()["VmRSS"]
 
     def free(self, unload_models: bool = True, free_memory: bool = True, settle: bool = True) -> None:
         """POST /free. ComfyUI's prompt worker reads these flags only after it has executed the next queue item, so

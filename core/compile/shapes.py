@@ -47,12 +47,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def references(latents, method) -> tuple[tuple[tuple[int, int], ...], str]:
+    """Reference latents as a shape key holds them: latent (H, W) per reference, and the method (only with some)."""
+    refs = tuple((int(r.shape[-2]), int(r.shape[-1])) for r in (latents or ()))
+    return refs, (str(method or "") if refs else "")
+
+
 def shape_key(x: torch.Tensor, context: torch.Tensor | None, kwargs: dict | None = None, scale: int = 8) -> ShapeKey:
     """The key of one diffusion-model call; kwargs: its other inputs (ref_latents, ref_latents_method)."""
     text = int(context.shape[1]) if context is not None else 0
     kwargs = kwargs or {}
-    refs = tuple((int(r.shape[-2]), int(r.shape[-1])) for r in (kwargs.get("ref_latents") or ()))
-    method = str(kwargs.get("ref_latents_method") or "") if refs else ""
+    refs, method = references(kwargs.get("ref_latents"), kwargs.get("ref_latents_method"))
     return ShapeKey(int(x.shape[0]), int(x.shape[-2]), int(x.shape[-1]), text, dtype_name(x.dtype), refs, method,
                     scale)
 

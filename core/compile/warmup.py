@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from .shapes import ShapeKey, dtype_name
+from .shapes import ShapeKey, dtype_name, references
 from .progress import Report
 from .patch import with_own_shapes
 from ..errors import FluxAccelError
@@ -58,13 +58,6 @@ def _with_references(conditioning, refs: tuple, channels: int, scale: int):
     return [[c, {**extra, "reference_latents": latents}] for c, extra in conditioning]
 
 
-def _call_references(conditioning, scale: int) -> tuple[tuple, str]:
-    """The reference latents a conditioning gives the model: (latent (H, W) per reference, method)."""
-    extra = conditioning[0][1]
-    refs = tuple((int(r.shape[-2]), int(r.shape[-1])) for r in (extra.get("reference_latents") or ()))
-    return refs, (str(extra.get("reference_latents_method") or "") if refs else "")
-
-
 def text_tokens(model, context: torch.Tensor) -> int:
     """The text length the diffusion model is called with for this conditioning: ComfyUI's own extra_conds decide
     (its FLUX.2 pads the text to 512 tokens)."""
@@ -103,7 +96,7 @@ def warmup(model, resolutions: list[tuple], batch_size: int = 1, text_length: in
         pos, neg = positive, negative
         if listed:
             pos, neg = (_with_references(c, listed[0], ch, scale) for c in (positive, negative))
-        refs, method = _call_references(pos, scale)
+        refs, method = references(pos[0][1].get("reference_latents"), pos[0][1].get("reference_latents_method"))
         key = ShapeKey(model_batch, h // scale, w // scale, text_len, dtype_name(dtype), refs, method, scale)
         if compiled is not None:
             compiled.register_shape(key)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import FluxAccelError
-from .profiles import Profile, profile_of, require_profile
+from .profiles import Profile, require_profile
 
 FP8_DTYPES = tuple(
     getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)
@@ -25,13 +25,9 @@ def require_flux(model, node: str) -> torch.nn.Module:
     return dm
 
 
-def profile(model) -> Profile:
-    """The profile of a MODEL that require_flux accepted."""
-    dm = model.model.diffusion_model
-    found = profile_of(dm)
-    if found is None:
-        raise FluxAccelError(f"not a supported FLUX model: {type(dm).__name__}")
-    return found
+def profile(model, node: str = "FluxAccel") -> Profile:
+    """The profile of a MODEL (require_flux's check, returning the profile)."""
+    return require_profile(model.model.diffusion_model, type(model.model).__name__, node)
 
 
 def latent_scale(model) -> int:
