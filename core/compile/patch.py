@@ -104,7 +104,7 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
     """Return a clone of `model` whose diffusion model runs compiled (and graph-captured) as one module."""
     require_flux(model, node)
     require_torch(node)
-    model = resident(model, node)  # ComfyUI 0.33's dynamic VRAM: its non-dynamic delegate (comfy_compat.py)
+    model = resident(model, node)  # ComfyUI 0.33+ dynamic VRAM: a resident copy sharing its weights (models/resident.py)
     dm = require_flux(model, node)
     require_fully_loaded(model, node)
     require_compatible(model, dm, node)

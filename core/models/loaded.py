@@ -14,46 +14,13 @@ ComfyUI 0.3.75 has none of these: every function here answers "nothing to do" th
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from ..errors import FluxAccelError
 from ..upstream import comfy_internals
-
-log = logging.getLogger("fluxaccel.compat")
+from .resident import is_dynamic, resident  # noqa: F401 -- the resident model, re-exported for the patches
 
 _OURS = ("fluxaccel",)
-
-
-def is_dynamic(model) -> bool:
-    """ComfyUI 0.33's own answer (ModelPatcher.is_dynamic); False on releases without dynamic VRAM."""
-    fn = getattr(model, "is_dynamic", None)
-    return bool(fn()) if callable(fn) else False
-
-
-def resident(model, node: str):
-    """The model with fixed, fully resident weights that FP8 copies and CUDA graphs need.
-
-    A dynamic-VRAM patcher gives ComfyUI's non-dynamic delegate: the same checkpoint, patches, options and wrappers
-    on a plain ModelPatcher (its weights a second copy in host RAM, loaded once per loaded model and kept by the
-    dynamic patcher for the next call). Any other model is returned as it is.
-    """
-    if not is_dynamic(model):
-        return model
-    try:
-        delegate = model.get_non_dynamic_delegate()
-    except RuntimeError as e:  # a custom loader that registered no cached_patcher_init: nothing to reload from
-        raise FluxAccelError(
-            f"{node}: ComfyUI's dynamic VRAM streams this model's weights on demand, and the node that loaded it gives "
-            f"no way to load them as fixed, resident weights ({e}). Load the model with UNETLoader (Load Diffusion "
-            f"Model) or CheckpointLoaderSimple, or start ComfyUI with --disable-dynamic-vram.") from e
-    if is_dynamic(delegate):
-        raise FluxAccelError(f"{node}: ComfyUI returned a dynamic-VRAM model where a resident one was asked for "
-                             f"({type(delegate).__name__}); start ComfyUI with --disable-dynamic-vram.")
-    log.info("FluxAccel: %s works on a resident copy of this dynamic-VRAM model (ComfyUI's non-dynamic delegate; "
-             "its weights take host RAM once more)", node)
-    return delegate
 
 
 def core_block_graphs(dm) -> list[str]:

@@ -283,7 +283,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     require_flux(model, node)
     require_torch(node)
     require_torchao()
-    model = resident(model, node)  # ComfyUI 0.33's dynamic VRAM: its non-dynamic delegate (comfy_compat.py)
+    model = resident(model, node)  # ComfyUI 0.33+ dynamic VRAM: a resident copy sharing its weights (models/resident.py)
     dm = require_flux(model, node)
     require_fully_loaded(model, node)
     prev = fp8_state(model)

@@ -189,3 +189,53 @@ def swap_in_wrapper(modules: dict):
                 comfy.utils.set_attr(base, key, value)
 
     return apply_swapped
+
+
+# -- dynamic VRAM: the resident copy FluxAccel works on ---------------------------------------------------------------
+# What ModelPatcher.__init__ (re)creates on a BaseModel when missing (plus ModelPatcherDynamic's dynamic_* records):
+# a resident copy starts without them.
+PATCHER_MODEL_STATE = ("model_loaded_weight_memory", "lowvram_patch_counter", "model_lowvram",
+                       "current_weight_patches_uuid", "model_offload_buffer_memory")
+# What ModelPatcherDynamic.load leaves on the modules it streams (comfy-aimdo's slot and pins, per-call cast state):
+# the copy's modules start without them, so the classes' defaults of a plain load apply.
+DYNAMIC_MODULE_STATE = ("_v", "_v_signature", "_pin_state", "seed_key", "comfy_cast_weights", "weight_function",
+                        "bias_function", "weight_lowvram_function", "bias_lowvram_function")
+
+
+def patcher_model_state(base) -> list[str]:
+    return [k for k in vars(base) if k in PATCHER_MODEL_STATE or k.startswith("dynamic_")]
+
+
+_NO_ATTR = object()
+
+
+def kept_delegate(model):
+    """The resident model a dynamic patcher keeps for its non-dynamic delegate (ModelPatcherDynamic
+    .non_dynamic_delegate_model, 0.33): None while none is built, an Unavailable where this ComfyUI keeps it elsewhere."""
+    kept = getattr(model, "non_dynamic_delegate_model", _NO_ATTR)
+    if kept is _NO_ATTR:
+        return _missing("ModelPatcherDynamic.non_dynamic_delegate_model")
+    return kept
+
+
+def keep_delegate(model, base) -> bool | Unavailable:
+    """Make `base` (a BaseModel) the dynamic patcher's kept delegate model, with empty patch backups of the shapes
+    its get_clone_model_override gives, so get_non_dynamic_delegate() clones it instead of reloading the file."""
+    override = getattr(model, "get_clone_model_override", None)
+    if not callable(override):
+        return _missing("ModelPatcher.get_clone_model_override")
+    backups = override()[1]
+    model.non_dynamic_delegate_model = (base, tuple(type(b)() for b in backups))
+    return True
+
+
+def unload_model_and_clones(model) -> bool | Unavailable:
+    """ComfyUI's unload of one model and its clones (comfy.model_management.unload_model_and_clones, 0.33): their
+    weights go back to where the file put them."""
+    import comfy.model_management as mm
+
+    fn = getattr(mm, "unload_model_and_clones", None)
+    if not callable(fn):
+        return _missing("comfy.model_management.unload_model_and_clones")
+    fn(model)
+    return True

@@ -4,13 +4,15 @@ CUDA-graph registry. ComfyUI 0.3.75 has neither: there the tests check that noth
 ModelPatcherDynamic cannot be constructed on a CPU machine (ModelPatcherDynamic.__new__ returns a plain ModelPatcher
 for CPU load devices, and its __init__ needs comfy-aimdo's native library): `dynamic_patcher` builds an instance of
 the real class with ModelPatcher's own __init__, so is_dynamic(), clone(disable_dynamic=True) and
-get_non_dynamic_delegate() are 0.33's code, reloading the file through the real comfy.sd.load_diffusion_model.
+get_non_dynamic_delegate() are 0.33's code (its reload of the file goes through the real
+comfy.sd.load_diffusion_model where FluxAccel cannot share the weights).
 """
 import pytest
 import torch
 
 from conftest import COMFY_VERSION
 from fluxaccel.core.models import loaded as comfy_compat
+from fluxaccel.core.models import resident
 from fluxaccel.core.compile.config import CompileConfig
 from fluxaccel.core.compile.patch import apply_compile, compiled_of
 from fluxaccel.core.errors import FluxAccelError
@@ -54,7 +56,8 @@ def test_dynamic_model_is_quantized_on_its_resident_delegate(cpu_fp8, e2e_file):
     assert comfy_compat.is_dynamic(dyn)
     live = {n: m.weight for n, m in dyn.model.diffusion_model.named_modules() if isinstance(m, torch.nn.Linear)}
     fp8, report = apply_fp8(dyn, Fp8Config())
-    assert not fp8.is_dynamic() and fp8.model is not dyn.model  # the delegate: the file loaded once more
+    assert not fp8.is_dynamic() and fp8.model is not dyn.model  # the resident copy, over the same storage
+    assert resident.shares_weights(fp8.model, dyn.model)
     assert report.quantized and fp8.get_attachment(FP8_KEY) and dyn.get_attachment(FP8_KEY) is None
     assert not dyn.object_patches  # the dynamic model (other branches) is untouched
     assert all(m.weight is live[n] for n, m in dyn.model.diffusion_model.named_modules() if n in live)
@@ -76,11 +79,67 @@ def test_dynamic_model_is_compiled_on_its_resident_delegate(e2e_file):
 
 
 @needs_033
-def test_dynamic_model_without_a_loader_to_reload_from_is_refused(e2e_file):
+def test_resident_copy_shares_the_dynamic_models_weights(e2e_file):
+    """No second host copy: the resident model's parameters hold the dynamic model's storage, in new module and
+    parameter objects, without what dynamic loading leaves on modules; changing the copy leaves the original as it
+    was, and the copy computes what the original does."""
+    dyn = dynamic_patcher(e2e_file)
+    lin = dyn.model.diffusion_model.double_blocks[0].img_attn.qkv
+    lin._v, lin._pin_state, lin.seed_key, lin.comfy_cast_weights = object(), {}, "x", True  # as 0.33's dynamic load
+    before = {n: p.detach().clone() for n, p in dyn.model.named_parameters()}
+    res = comfy_compat.resident(dyn, "node")
+    assert not res.is_dynamic() and res.model is not dyn.model and resident.shares_weights(res.model, dyn.model)
+    copied = res.model.diffusion_model.double_blocks[0].img_attn.qkv
+    assert copied is not lin and copied.weight is not lin.weight
+    assert not any(hasattr(copied, a) for a in ("_v", "_pin_state", "seed_key"))
+    assert "comfy_cast_weights" not in vars(copied)  # the class default of a plain load applies
+    assert not any(k.startswith("dynamic_") for k in vars(res.model))
+    assert comfy_compat.resident(dyn, "node").model is res.model  # kept: built once per dynamic patcher
+    import comfy.sd
+
+    plain = comfy.sd.load_diffusion_model(str(e2e_file), model_options={"dtype": torch.bfloat16})
+    assert torch.equal(denoise_once(res, hw=8), denoise_once(plain, hw=8))
+    res.model.to(torch.float16)  # what a move to another device or dtype does to the copy
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, before[n]) for n, p in dyn.model.named_parameters())
+
+
+@needs_033
+def test_dynamic_model_without_a_file_to_reload_is_shared(cpu_fp8, e2e_file):
+    """A loader that registered no cached_patcher_init (e.g. weights built in memory): the shared copy needs none."""
     dyn = dynamic_patcher(e2e_file, with_init=False)
+    fp8, report = apply_fp8(dyn, Fp8Config())
+    assert report.quantized and resident.shares_weights(fp8.model, dyn.model)
+
+
+def _not_as_stored(dyn, monkeypatch):
+    """A dynamic model whose weights are elsewhere (one on another device, as a load for another branch leaves it)
+    and a ComfyUI without the unload that would put them back."""
+    import comfy.model_management
+
+    monkeypatch.delattr(comfy.model_management, "unload_model_and_clones", raising=False)
+    img_in = dyn.model.diffusion_model.img_in
+    img_in.weight = torch.nn.Parameter(img_in.weight.to("meta"), requires_grad=False)
+    return dyn
+
+
+@needs_033
+def test_where_the_weights_cannot_be_shared_comfyuis_reload_is_used_and_said(e2e_file, monkeypatch, caplog):
+    from fluxaccel.core import upstream
+
+    upstream.forget()
+    dyn = _not_as_stored(dynamic_patcher(e2e_file), monkeypatch)
+    with caplog.at_level("WARNING", "fluxaccel.upstream"):
+        clone, compiled = apply_compile(dyn, CompileConfig(block_regions=False))
+    assert clone.model is not dyn.model and not resident.shares_weights(clone.model, dyn.model)  # the file again
+    assert clone.model.diffusion_model.img_in.weight.device.type == "cpu"
+    assert any("unload_model_and_clones" in r.getMessage() and "second host copy" in r.getMessage()
+               for r in caplog.records)
+    upstream.forget()
+    dyn = _not_as_stored(dynamic_patcher(e2e_file, with_init=False), monkeypatch)
     for apply in (lambda m: apply_fp8(m, Fp8Config()), lambda m: apply_compile(m, CompileConfig())):
         with pytest.raises(FluxAccelError, match="dynamic VRAM.*UNETLoader.*--disable-dynamic-vram"):
             apply(dyn)
+    upstream.forget()
 
 
 @needs_033

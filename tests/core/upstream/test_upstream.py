@@ -94,6 +94,20 @@ def test_compiled_model_runs_with_comfy_internals_missing(monkeypatch, tiny_flux
         assert said(caplog, "_apply_rope1", "comfy-kitchen's RoPE op")
 
 
+def test_resident_copy_names_missing(monkeypatch, tiny_flux):
+    """The dynamic model's kept delegate, its backup shapes and ComfyUI's unload: each answers "not available"."""
+    import comfy.model_management
+    import comfy.model_patcher
+
+    assert isinstance(comfy_internals.kept_delegate(tiny_flux), Unavailable)  # a plain patcher keeps none
+    monkeypatch.delattr(comfy.model_patcher.ModelPatcher, "get_clone_model_override")
+    assert isinstance(comfy_internals.keep_delegate(tiny_flux, tiny_flux.model), Unavailable)
+    monkeypatch.delattr(comfy.model_management, "unload_model_and_clones", raising=False)
+    missing = comfy_internals.unload_model_and_clones(tiny_flux)
+    assert isinstance(missing, Unavailable) and "unload_model_and_clones" in str(missing)
+    assert "model_loaded_weight_memory" in comfy_internals.patcher_model_state(tiny_flux.model)
+
+
 def test_checkpoint_qdata_missing():
     from fluxaccel.core.models.loaded import checkpoint_format
 

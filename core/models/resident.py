@@ -1,0 +1,144 @@
+"""The resident model FP8 copies and CUDA graphs need, for a model that ComfyUI 0.33+ loads with dynamic VRAM.
+
+A dynamic-VRAM model (ModelPatcherDynamic) streams its weights to the GPU per call through comfy-aimdo, so their
+addresses are not fixed. FluxAccel works on a plain ModelPatcher of the same model instead. ComfyUI's own answer,
+its non-dynamic delegate, loads the checkpoint file a second time: a second host copy of every weight (2 x 64 GB for
+FLUX.2 [dev]). FluxAccel builds that resident model from the dynamic one instead: new module objects whose
+parameters share the dynamic model's storage (for UNETLoader files, comfy-aimdo's mapping of the file), so nothing
+is read or copied until ComfyUI moves the weights to the GPU. It is kept where ComfyUI keeps its delegate, so every
+later call (and `get_non_dynamic_delegate`) reuses it.
+
+Where this ComfyUI keeps the delegate elsewhere, or the dynamic model's weights are not where the file put them,
+FluxAccel says so and uses ComfyUI's delegate (the second host copy).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..errors import FluxAccelError
+from ..upstream import Unavailable, comfy_internals, say
+
+log = logging.getLogger("fluxaccel.compat")
+
+
+def is_dynamic(model) -> bool:
+    """ComfyUI 0.33's own answer (ModelPatcher.is_dynamic); False on releases without dynamic VRAM."""
+    fn = getattr(model, "is_dynamic", None)
+    return bool(fn()) if callable(fn) else False
+
+
+# -- a module tree over the same storage ---------------------------------------------------------------------------
+def _shared_param(p):
+    return None if p is None else torch.nn.Parameter(p.data, requires_grad=p.requires_grad)
+
+
+def share_tree(root: torch.nn.Module, drop: tuple[str, ...] = ()) -> torch.nn.Module:
+    """A copy of `root`'s module tree: new module objects (so moving, patching or casting the copy never touches the
+    original's modules or parameters) whose parameters and buffers hold the original's tensors' storage. Instance
+    attributes named in `drop` are left out (the class's defaults apply); attributes that point at modules of the
+    tree point at their copies."""
+    copies: dict[int, torch.nn.Module] = {}
+
+    def copy_one(m: torch.nn.Module) -> torch.nn.Module:
+        if id(m) in copies:  # a module used twice stays one module
+            return copies[id(m)]
+        new = type(m).__new__(type(m))
+        state = {k: v for k, v in vars(m).items() if k not in drop}
+        for k, v in state.items():
+            if k.endswith("hooks") and isinstance(v, dict):
+                state[k] = type(v)(v)
+        state["_parameters"] = type(m._parameters)((n, _shared_param(p)) for n, p in m._parameters.items())
+        state["_buffers"] = type(m._buffers)(m._buffers)
+        new.__dict__.update(state)
+        copies[id(m)] = new
+        new.__dict__["_modules"] = type(m._modules)((n, None if c is None else copy_one(c))
+                                                    for n, c in m._modules.items())
+        return new
+
+    out = copy_one(root)
+    for new in copies.values():  # aliases: a plain attribute holding a module of the tree
+        for k, v in list(vars(new).items()):
+            if isinstance(v, torch.nn.Module) and id(v) in copies and k != "_modules":
+                new.__dict__[k] = copies[id(v)]
+    return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr() if type(t) is torch.Tensor or type(t) is torch.nn.Parameter else id(t)
+
+
+def shares_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Whether two models' parameters of the same name hold the same storage (all of them)."""
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    return pa.keys() == pb.keys() and all(_storage(pa[k]) == _storage(pb[k]) for k in pa)
+
+
+def _unpatched(model) -> str:
+    """Why the dynamic model's live tree is not its stored weights right now ('' when it is)."""
+    moved = [(n, p.device) for n, p in model.model.named_parameters() if p.device != torch.device(model.offload_device)]
+    if moved:
+        return f"{len(moved)} weights are on {moved[0][1]} (e.g. {moved[0][0]})"
+    if model.backup or model.object_patches_backup:
+        return "patched weights or modules are applied to it"
+    return ""
+
+
+RELOAD = ("FluxAccel uses ComfyUI's non-dynamic delegate: the checkpoint is loaded once more (a second host copy of "
+          "its weights)")
+
+
+def _shared_copy(model) -> torch.nn.Module | Unavailable | str:
+    """The BaseModel's resident copy over the same storage, or why it cannot be made."""
+    why = _unpatched(model)
+    if why:  # loaded for another branch: ComfyUI's own unload restores the stored weights
+        unloaded = comfy_internals.unload_model_and_clones(model)
+        if isinstance(unloaded, Unavailable):
+            return unloaded
+        why = _unpatched(model)
+        if why:
+            return f"its weights are not as stored after unloading: {why}"
+    base = model.model
+    copy = share_tree(base, drop=comfy_internals.DYNAMIC_MODULE_STATE)
+    for name in comfy_internals.patcher_model_state(base):  # ModelPatcher.__init__ starts these afresh
+        copy.__dict__.pop(name, None)
+    if not shares_weights(copy, base):
+        return "its parameters could not be shared"
+    return copy
+
+
+def resident(model, node: str):
+    """The model with fixed, fully resident weights that FP8 copies and CUDA graphs need.
+
+    A dynamic-VRAM patcher gives a plain ModelPatcher of the same weights, patches, options and wrappers (built once
+    per dynamic patcher and kept by it, sharing the weights' storage; ComfyUI's reloading delegate where that cannot
+    be done). Any other model is returned as it is.
+    """
+    if not is_dynamic(model):
+        return model
+    kept = comfy_internals.kept_delegate(model)
+    if kept is None:  # not built yet: share the dynamic model's weights
+        copy = _shared_copy(model)
+        kept = comfy_internals.keep_delegate(model, copy) if isinstance(copy, torch.nn.Module) else copy
+    if isinstance(kept, Unavailable):
+        say(kept, RELOAD)
+    elif isinstance(kept, str):
+        log.warning("FluxAccel: %s: this dynamic-VRAM model's weights cannot be shared (%s): %s", node, kept, RELOAD)
+    try:
+        delegate = model.get_non_dynamic_delegate()
+    except RuntimeError as e:  # a custom loader that registered no cached_patcher_init: nothing to reload from
+        raise FluxAccelError(
+            f"{node}: ComfyUI's dynamic VRAM streams this model's weights on demand, and the node that loaded it gives "
+            f"no way to load them as fixed, resident weights ({e}). Load the model with UNETLoader (Load Diffusion "
+            f"Model) or CheckpointLoaderSimple, or start ComfyUI with --disable-dynamic-vram.") from e
+    if is_dynamic(delegate):
+        raise FluxAccelError(f"{node}: ComfyUI returned a dynamic-VRAM model where a resident one was asked for "
+                             f"({type(delegate).__name__}); start ComfyUI with --disable-dynamic-vram.")
+    if shares_weights(delegate.model, model.model):
+        log.info("FluxAccel: %s works on a resident copy of this dynamic-VRAM model that shares its weights (no "
+                 "second host copy)", node)
+    else:
+        log.info("FluxAccel: %s works on ComfyUI's non-dynamic delegate of this dynamic-VRAM model (its weights "
+                 "take host RAM once more)", node)
+    return delegate
