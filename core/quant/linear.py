@@ -147,3 +147,18 @@ def quantize_linear(linear: torch.nn.Linear, cfg: Fp8Config, device: torch.devic
         _to_plain(new)
     new.__class__ = _fp8_class(type(linear), cfg.layout)
     return new
+
+
+def plain_from_parts(linear: torch.nn.Linear, weight: torch.Tensor, scale: torch.Tensor, like: torch.nn.Linear,
+                     device: torch.device | str, compute_dtype=None) -> torch.nn.Linear:
+    """The 'plain' FP8 Linear of `linear` from stored FP8 data and scales (the FP8 weights cache) instead of
+    quantizing: `like`, a Linear quantize_linear made with the same config, gives torchao's activation and GEMM
+    settings."""
+    new = detached_copy(linear, torch.device(device), compute_dtype, {"weight": weight})
+    new.fp8_act_kwargs, new.fp8_mm_config = like.fp8_act_kwargs, like.fp8_mm_config
+    new.register_buffer("fp8_weight_scale", scale.to(device))
+    for attr in ("weight_function", "bias_function"):
+        if not hasattr(new, attr):
+            setattr(new, attr, [])
+    new.__class__ = _fp8_class(type(linear), "plain")
+    return new

@@ -25,7 +25,8 @@ from ..errors import FluxAccelError
 from ..models.flux import (on_load_callback_type, partial_load_guard, profile, require_bf16_weights, require_flux,
                            require_fully_loaded)
 from .fp8 import DEFAULT_LAYOUT, Fp8Config, linear_weight_bytes, select_linears
-from .linear import detached_copy, is_fp8_linear, quantize_linear
+from . import weights_cache
+from .linear import detached_copy, is_fp8_linear, plain_from_parts, quantize_linear
 
 log = logging.getLogger("fluxaccel.fp8")
 
@@ -49,6 +50,7 @@ class Fp8Report:
     # quantized Linears were re-quantized from their dequantized weights; and those outside the scope, now bf16
     requantized: dict[str, int] = field(default_factory=dict)
     dequantized: list[str] = field(default_factory=list)
+    weights_cache: str = ""  # loaded from / saved to the FP8 weights cache, or why not cached
 
     @property
     def bytes_saved(self) -> int:
@@ -68,6 +70,8 @@ class Fp8Report:
             + (f"(saved {self.bytes_saved / gib:.3f} GiB, {self.bytes_saved} bytes)" if self.bytes_saved >= 0 else
                f"(+{-self.bytes_saved / gib:.3f} GiB: the checkpoint-quantized layers outside the scope are bf16 now)"),
         ]
+        if self.weights_cache:
+            lines.append(f"FP8 weights cache: {self.weights_cache}")
         if self.merged_patches:
             lines.append(f"merged {len(self.merged_patches)} weight patches (LoRA etc.) into the FP8 weights")
         for fmt, n in sorted(self.requantized.items()):
@@ -262,6 +266,58 @@ def _quantize_one(model, clone, lin, name: str, cfg: Fp8Config, device, compute_
     return key
 
 
+def _from_stored(model, clone, lin, name: str, parts: dict, like, device, compute_dtype, report: Fp8Report) -> str:
+    """One chosen Linear as an FP8 object patch built from the FP8 weights cache (no quantization)."""
+    params, _ = _as_this_clone_runs(model, lin, name, device)  # the bias as this clone runs it (no patches here)
+    q = plain_from_parts(lin, parts["weight"], parts["scale"], like, model.offload_device, compute_dtype)
+    if "bias" in params:
+        q.bias = torch.nn.Parameter(params["bias"].detach().to(model.offload_device, compute_dtype),
+                                    requires_grad=False)
+    key = f"diffusion_model.{name}"
+    clone.add_object_patch(key, q)
+    report.quantized.append(name)
+    report.bytes_before += _stored_bytes(lin)
+    report.bytes_after += linear_weight_bytes(q)
+    return key
+
+
+def _same_fp8(q, parts: dict) -> bool:
+    as_bytes = lambda t: t.detach().cpu().contiguous().view(torch.uint8)  # noqa: E731
+    return (torch.equal(as_bytes(q.weight), as_bytes(parts["weight"]))
+            and torch.equal(q.fp8_weight_scale.detach().cpu(), parts["scale"]))
+
+
+def _quantize_chosen(model, clone, originals: dict, chosen: list[str], cfg: Fp8Config, device, compute_dtype,
+                     report: Fp8Report) -> tuple[list[str], "_Kept"]:
+    """Every chosen Linear as an FP8 object patch: read from the FP8 weights cache where it holds this model (the
+    first one is quantized all the same, and must match what the file holds), else quantized and saved there."""
+    merged = _Kept()
+    patched = [k for n in chosen for p in ("weight", "bias") if model.patches.get(k := f"diffusion_model.{n}.{p}")]
+    entry = (weights_cache.Entry(None, "the checkpoint is already quantized")
+             if any(is_checkpoint_quantized(originals[n].weight) for n in chosen)
+             else weights_cache.entry_for(model, cfg, compute_dtype, patched))
+    stored = weights_cache.load(entry, {n: tuple(originals[n].weight.shape) for n in chosen})
+    keys = [_quantize_one(model, clone, originals[chosen[0]], chosen[0], cfg, device, compute_dtype, report, merged)]
+    like = clone.object_patches[keys[0]]
+    if stored is not None and not _same_fp8(like, stored[chosen[0]]):
+        log.warning("FluxAccel: the FP8 weights cache file %s holds other numbers than quantizing gives now; "
+                    "quantizing instead (and saving again)", entry.path)
+        stored = None
+    for name in chosen[1:]:
+        keys.append(_from_stored(model, clone, originals[name], name, stored[name], like, device, compute_dtype, report)
+                    if stored is not None else
+                    _quantize_one(model, clone, originals[name], name, cfg, device, compute_dtype, report, merged))
+    if stored is not None:
+        report.weights_cache = f"loaded {len(chosen) - 1} Linears from {entry.path} (the first quantized and checked)"
+    elif entry.key is not None:
+        weights_cache.save(entry, {n: {"weight": clone.object_patches[k].weight,
+                                       "scale": clone.object_patches[k].fp8_weight_scale} for n, k in zip(chosen, keys)})
+        report.weights_cache = f"saving to {entry.path}"
+    else:
+        report.weights_cache = f"not cached: {entry.why_not}"
+    return keys, merged
+
+
 def _dequantize_one(model, clone, lin, name: str, device, compute_dtype, report: Fp8Report, merged: dict) -> str:
     """A checkpoint-quantized Linear outside the scope, as a plain bf16 Linear (the compiled graph runs it)."""
     new, merged_keys = _dequantized_linear(model, lin, name, device, compute_dtype)
@@ -304,9 +360,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
 
     clone = model.clone()
     report = Fp8Report(cfg.granularity, cfg.scope, str(device), skipped=dict(sel.skipped), layout=cfg.layout)
-    keys, merged = [], _Kept()
-    for name in sel.chosen:
-        keys.append(_quantize_one(model, clone, originals[name], name, cfg, device, compute_dtype, report, merged))
+    keys, merged = _quantize_chosen(model, clone, originals, sel.chosen, cfg, device, compute_dtype, report)
     for name in sel.skipped:
         if is_checkpoint_quantized(originals[name].weight):
             keys.append(_dequantize_one(model, clone, originals[name], name, device, compute_dtype, report, merged))

@@ -239,3 +239,33 @@ def unload_model_and_clones(model) -> bool | Unavailable:
         return _missing("comfy.model_management.unload_model_and_clones")
     fn(model)
     return True
+
+
+# -- where a model's weights came from --------------------------------------------------------------------------------
+def _patcher_init(model):
+    init = getattr(model, "cached_patcher_init", _NO_ATTR)
+    return _missing("ModelPatcher.cached_patcher_init") if init is _NO_ATTR else init
+
+
+def source_file(model):
+    """The weights file ComfyUI's loader read this model from (the path its cached_patcher_init reloads: UNETLoader's
+    load_diffusion_model, CheckpointLoaderSimple's load_checkpoint_guess_config), None where none is registered."""
+    import os
+    from pathlib import Path
+
+    init = _patcher_init(model)
+    if isinstance(init, Unavailable):
+        return init
+    if not init:
+        return None
+    args = init[1] if len(init) > 1 and isinstance(init[1], (tuple, list)) else ()
+    path = args[0] if args and isinstance(args[0], str) else None
+    return Path(path) if path and os.path.isfile(path) else None
+
+
+def load_options(model) -> dict[str, str]:
+    """The model_options the loader was given (dtype, custom operations, ...), as text for a cache key."""
+    init = _patcher_init(model)
+    args = init[1] if init and not isinstance(init, Unavailable) and len(init) > 1 else ()
+    opts = next((a for a in args if isinstance(a, dict)), {})
+    return {str(k): str(v) for k, v in sorted(opts.items(), key=lambda kv: str(kv[0]))}

@@ -108,6 +108,36 @@ def test_resident_copy_names_missing(monkeypatch, tiny_flux):
     assert "model_loaded_weight_memory" in comfy_internals.patcher_model_state(tiny_flux.model)
 
 
+def test_source_file_missing(tiny_file_model):
+    """A patcher without cached_patcher_init (a ComfyUI before it, or a custom patcher): no file to key the FP8
+    weights cache by, said as such."""
+    from fluxaccel.core.quant import weights_cache
+    from fluxaccel.core.quant.fp8 import Fp8Config
+
+    from pathlib import Path
+
+    from conftest import COMFY_VERSION
+
+    source = comfy_internals.source_file(tiny_file_model)  # UNETLoader's loader registers it (0.33)
+    assert isinstance(source, Path) if COMFY_VERSION != "0.3.75" else isinstance(source, Unavailable)
+    bare = SimpleNamespace(patches={})
+    missing = comfy_internals.source_file(bare)
+    assert isinstance(missing, Unavailable) and "cached_patcher_init" in str(missing)
+    assert comfy_internals.load_options(bare) == {}
+    entry = weights_cache.entry_for(bare, Fp8Config(), None, [])
+    assert entry.key is None and "no weights file is known" in entry.why_not and "cached_patcher_init" in entry.why_not
+
+
+@pytest.fixture
+def tiny_file_model(tmp_path):
+    import comfy.sd
+    from support.models import write_flux_file
+    from support.shapes import TINY
+
+    path = write_flux_file(tmp_path / "tiny.safetensors", TINY)
+    return comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.bfloat16})
+
+
 def test_checkpoint_qdata_missing():
     from fluxaccel.core.models.loaded import checkpoint_format
 

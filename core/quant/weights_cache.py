@@ -1,0 +1,185 @@
+"""FP8 weights kept on disk: after a restart, Quantize FP8 loads its quantized Linears instead of quantizing again.
+
+One safetensors file per (source file, FP8 config, compute dtype, versions): the 'plain' layout's FP8 data and
+scales of every quantized Linear, named by the Linear. The key holds the source file's path, size, modification
+time and a hash of its header (a safetensors file's header names every tensor with its offsets), the FP8 config, the
+model's compute dtype and the torch, torchao and FluxAccel versions; the file carries its key in its metadata. A file
+whose key, names or shapes do not match what is asked, or that cannot be read, is ignored with a warning and the
+Linears are quantized as usual (and saved again). Files are written to a temporary name and renamed into place, so
+several ComfyUI workers can share the folder. Not cached: the 'subclass' layout, models with weight patches (LoRA)
+merged into the quantized Linears, and models that no file identifies (loaded by custom nodes).
+
+Folder: `fp8-weights/` inside FluxAccel's cache folder (kernel_cache.default_dir: ComfyUI's user directory, or
+$FLUXACCEL_CACHE_DIR); $FLUXACCEL_FP8_CACHE=0 turns the cache off. A file is about half the size of the quantized
+Linears' bf16 weights (FLUX.1-dev: 11 GiB); the oldest files go once the folder holds more than
+$FLUXACCEL_FP8_CACHE_MAX_GIB (default 64).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import json
+import logging
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..compile.kernel_cache import default_dir
+from ..upstream import Unavailable, comfy_internals
+
+log = logging.getLogger("fluxaccel.fp8")
+
+FORMAT = "fluxaccel-fp8-weights 1"
+ENV_OFF, ENV_MAX = "FLUXACCEL_FP8_CACHE", "FLUXACCEL_FP8_CACHE_MAX_GIB"
+_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+PARTS = ("weight", "scale")  # biases are read from the model (small; bf16 as loaded)
+
+
+def cache_dir() -> Path:
+    return default_dir() / "fp8-weights"
+
+
+def _version(pkg: str) -> str:
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return "none"
+
+
+def source_identity(path: Path) -> dict:
+    """What identifies a weights file without reading it all: path, size, mtime and a hash of its first bytes (a
+    safetensors file's whole header)."""
+    st = path.stat()
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if path.suffix in (".safetensors", ".sft") and len(head) == 8 else 0
+        head += f.read(min(n, 100 << 20) if n else (1 << 20) - 8)
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "head_sha256": hashlib.sha256(head).hexdigest()}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where one model's FP8 weights are cached (or why they are not)."""
+    key: dict | None
+    why_not: str = ""
+
+    @property
+    def path(self) -> Path:
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:32]
+        return cache_dir() / f"{digest}.safetensors"
+
+
+def entry_for(model, cfg, compute_dtype, patched: list[str]) -> Entry:
+    """The cache entry of this model quantized with cfg, or why it has none."""
+    if os.environ.get(ENV_OFF, "1") == "0":
+        return Entry(None, f"${ENV_OFF}=0")
+    if cfg.layout != "plain":
+        return Entry(None, "the 'subclass' layout is not cached")
+    if patched:
+        return Entry(None, f"{len(patched)} weight patches (LoRA, ...) are merged into these weights")
+    source = comfy_internals.source_file(model)
+    if isinstance(source, Unavailable) or source is None:
+        return Entry(None, "no weights file is known for this model" + (f" ({source})" if source is not None else ""))
+    try:
+        ident = source_identity(source)
+    except OSError as e:
+        return Entry(None, f"cannot read {source}: {e}")
+    return Entry({"format": FORMAT, "source": ident, "fp8": cfg.key(), "compute_dtype": str(compute_dtype),
+                  "options": comfy_internals.load_options(model),
+                  "versions": {p: _version(p) for p in ("torch", "torchao", "comfyui-fluxaccel")}})
+
+
+def load(entry: Entry, shapes: dict[str, tuple[int, ...]]) -> dict[str, dict[str, torch.Tensor]] | None:
+    """{linear name: {weight, scale, bias?}} from the entry's file, or None (absent; stale, foreign or corrupt ones
+    with a warning). shapes: each Linear's weight shape, all of which the file must hold."""
+    path = entry.path
+    if entry.key is None or not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            if json.loads((f.metadata() or {}).get("key", "null")) != entry.key:
+                raise ValueError("its key is not this model's (a foreign or stale file)")
+            names = set(f.keys())
+            out = {}
+            for name, shape in shapes.items():
+                parts = {p: f.get_tensor(f"{name}.{p}") for p in PARTS if f"{name}.{p}" in names}
+                if "weight" not in parts or "scale" not in parts or tuple(parts["weight"].shape) != tuple(shape):
+                    raise ValueError(f"it does not hold {name} as {tuple(shape)}")
+                out[name] = parts
+    except Exception as e:  # noqa: BLE001 -- any unreadable file (truncated, foreign, other format) is only skipped
+        log.warning("FluxAccel: ignoring the FP8 weights cache file %s (%s: %s); quantizing instead", path,
+                    type(e).__name__, e)
+        return None
+    os.utime(path)  # recently used: pruned last
+    return out
+
+
+_writers: list[threading.Thread] = []
+
+
+def save(entry: Entry, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Write the entry's file in the background (the CPU tensors are kept alive until written)."""
+    if entry.key is None:
+        return
+    flat = {f"{name}.{p}": t for name, parts in tensors.items() for p, t in parts.items() if t is not None}
+    t = threading.Thread(target=_write, args=(entry.path, flat, {"key": json.dumps(entry.key, sort_keys=True)}),
+                         name="fluxaccel-fp8-cache", daemon=True)
+    _writers.append(t)
+    t.start()
+
+
+def wait() -> None:
+    """Until every background write is done (tests, tools, shutdown)."""
+    while _writers:
+        _writers.pop().join()
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """safetensors' format, streamed tensor by tensor (no second copy of the weights in memory)."""
+    try:
+        header, offset = {}, 0
+        for name, t in tensors.items():
+            n = t.numel() * t.element_size()
+            header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        header["__metadata__"] = metadata
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for t in tensors.values():
+                f.write(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().data)
+        os.replace(tmp, path)
+        log.info("FluxAccel: saved FP8 weights to %s (%.2f GiB)", path, offset / 1024**3)
+        _prune(path)
+    except (OSError, KeyError, RuntimeError) as e:
+        log.warning("FluxAccel: could not save FP8 weights to %s (%s: %s); the next start quantizes again", path,
+                    type(e).__name__, e)
+
+
+def _prune(keep: Path) -> None:
+    """The least recently used files go while the folder holds more than its bound."""
+    limit = float(os.environ.get(ENV_MAX, "64")) * 1024**3
+    import time
+
+    for tmp in keep.parent.glob(".*.tmp"):  # a write cut short by a process that ended
+        if time.time() - tmp.stat().st_mtime > 86400:
+            tmp.unlink(missing_ok=True)
+    files = sorted((f for f in keep.parent.glob("*.safetensors")), key=lambda f: f.stat().st_mtime)
+    total = sum(f.stat().st_size for f in files)
+    for f in files:
+        if total <= limit or f == keep:
+            continue
+        total -= f.stat().st_size
+        f.unlink(missing_ok=True)
+        log.info("FluxAccel: removed the least recently used FP8 weights file %s (folder over %s GiB)", f,
+                 os.environ.get(ENV_MAX, "64"))
