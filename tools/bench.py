@@ -172,6 +172,10 @@ def host_memory(server, weights_file: Path) -> dict:
     peak = mem.get("VmHWM", 0) / 1024**3
     out["server_peak_rss_gib"] = round(peak, 2) if peak else None
     out["server_rss_now_gib"] = round(mem["VmRSS"] / 1024**3, 2) if "VmRSS" in mem else None
+    # now, by kind: anonymous (the process's own copies) and file-backed (mapped weights files: page cache)
+    for kind in ("RssAnon", "RssFile"):
+        if kind in mem:
+            out[f"server_{kind[3:].lower()}_now_gib"] = round(mem[kind] / 1024**3, 2)
     if peak and out["weights_file_gib"]:
         out["peak_rss_over_weights"] = round(peak / out["weights_file_gib"], 2)
     return out

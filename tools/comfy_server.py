@@ -40,6 +40,7 @@ class PromptFailed(RuntimeError):
 
 
 CPU_FP8_NODES = Path(__file__).resolve().parent / "cpu_fp8_node"
+MEMORY_MODEL_NODES = Path(__file__).resolve().parent / "memory_model_node"
 # CPU servers (tests, the CPU demo): ComfyUI runs FLUX in float32 from bf16 weights there, casting every Linear's
 # weight per call (up to 150 MB each); glibc hands each such block back to the OS (mmap/munmap) and page-faults it in
 # again on the next forward. Keeping freed memory in the server's heap halves a forward of the 3072-wide e2e model
@@ -66,10 +67,12 @@ def _progress_text(frame: bytes) -> dict | None:
 
 class ComfyServer:
     def __init__(self, comfy_dir: Path, workdir: Path, models_dir: Path, extra_args: tuple[str, ...] = (),
-                 env: dict | None = None, port: int | None = None, cpu_fp8: bool = False):
-        """cpu_fp8: the server also loads tools/cpu_fp8_node (lifts torchao's FP8 gate for a CPU test or demo)."""
+                 env: dict | None = None, port: int | None = None, cpu_fp8: bool = False,
+                 memory_model: bool = False):
+        """cpu_fp8: the server also loads tools/cpu_fp8_node (lifts torchao's FP8 gate for a CPU test or demo);
+        memory_model: tools/memory_model_node (random-weight FLUX models built in host memory, no file)."""
         self.comfy_dir, self.workdir, self.models_dir = Path(comfy_dir), Path(workdir), Path(models_dir)
-        self.cpu_fp8 = cpu_fp8
+        self.cpu_fp8, self.memory_model = cpu_fp8, memory_model
         self.extra_args, self.env = list(extra_args), env
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -88,8 +91,9 @@ class ComfyServer:
             (self.workdir / sub).mkdir(exist_ok=True)
         paths = self.workdir / "extra_model_paths.yaml"
         text = f"fluxaccel:\n  base_path: {self.models_dir}\n  diffusion_models: diffusion_models\n  loras: loras\n"
-        if self.cpu_fp8:
-            text += f"  custom_nodes: {CPU_FP8_NODES}\n"
+        tool_nodes = [d for d, on in ((CPU_FP8_NODES, self.cpu_fp8), (MEMORY_MODEL_NODES, self.memory_model)) if on]
+        if tool_nodes:  # one folder per line (ComfyUI splits the value on newlines)
+            text += "  custom_nodes: |\n" + "".join(f"    {d}\n" for d in tool_nodes)
         paths.write_text(text)
         cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(self.port),
                "--output-directory", str(self.workdir / "output"), "--input-directory", str(self.workdir / "input"),
@@ -201,10 +205,11 @@ class ComfyServer:
         return load_file(str(self.output_dir / f["subfolder"] / f["filename"]))["latent_tensor"]
 
     def memory_bytes(self) -> dict[str, int]:
-        """The server process's resident memory now (VmRSS) and its high-water mark (VmHWM), from /proc (Linux)."""
+        """The server process's resident memory now (VmRSS: RssAnon + RssFile + RssShmem) and its high-water mark
+        (VmHWM), from /proc (Linux)."""
         with open(f"/proc/{self.proc.pid}/status") as f:
             return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
-                    if line.startswith(("VmRSS:", "VmHWM:"))}
+                    if line.startswith(("VmRSS:", "VmHWM:", "RssAnon:", "RssFile:"))}
 
     def rss_bytes(self) -> int:
         """Resident memory of the server process (Linux)."""

@@ -2,13 +2,14 @@
 timed by ComfyUI itself (its execution_start → execution_success timestamps), load and quantize included.
 
     python tools/first_prompts.py --case klein9b-1024-4                 # FluxAccel default first, then core eager
-    python tools/first_prompts.py --case dev-1024-28 --configs fluxaccel eager torchcompile
+    python tools/first_prompts.py --case dev-1024-28 --configs fluxaccel eager torchcompile --restart
 
 Each prompt is UNETLoader → [Quantize FP8 → Compile | TorchCompileModel] → KSampler → SaveLatent with synthetic
 conditioning. The configurations run in the order given, in one server: the first one's first prompt is the server's
 first (what a user meets after starting ComfyUI); later ones share ComfyUI's cached UNETLoader output, as a user's
 second workflow on the same server would. The second prompt of each (another seed) is its steady state. The JSON says
 how the server started ("fresh": no compile cache; "restart": one from earlier runs) and the server's peak host RSS.
+With --restart ComfyUI is then started again on the same machine and the configurations run again (a second JSON).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import datetime as dt
 import json
 import logging
 import shlex
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -37,15 +39,22 @@ CONFIGS = {
     "fluxaccel": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
                   ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
                                              "max_shapes": 4, "persistent_cache": True, "block_regions": True})],
+    "fastest": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks+modulation",
+                                               "layout": "plain"}),
+                ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
+                                           "max_shapes": 4, "persistent_cache": True, "block_regions": False})],
     "eager": [],
     "torchcompile": [("5", "TorchCompileModel", {"backend": "inductor"})],
 }
 
 
-def prompt_for(config: str, case: dict, unet_name: str, seed: int, flux2: bool) -> dict:
-    """One configuration's prompt; node ids are shared between configurations so ComfyUI's cache reuses the loader."""
+def prompt_for(config: str, case: dict, unet_name: str, seed: int, flux2: bool, in_memory: bool = False) -> dict:
+    """One configuration's prompt; node ids are shared between configurations so ComfyUI's cache reuses the loader.
+    in_memory: the tools-only FluxAccelRandomModelInMemory instead of UNETLoader (no file)."""
+    loader = ({"class_type": "FluxAccelRandomModelInMemory", "inputs": {"shape": case["shape"], "seed": 0}}
+              if in_memory else {"class_type": "UNETLoader", "inputs": {"unet_name": unet_name, "weight_dtype": "default"}})
     p = {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet_name, "weight_dtype": "default"}},
+        "1": loader,
         "2": {"class_type": "FluxAccelSyntheticConditioning",
               "inputs": {"model": ["1", 0], "text_length": case["text_length"], "guidance": 3.5, "seed": 0}},
         "3": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["2", 0]}},
@@ -76,6 +85,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="folder for the JSON (default: bench/results on a GPU, .cache/bench-results on the CPU)")
     ap.add_argument("--models-dir", default=str(ROOT / ".cache" / "models"))
     ap.add_argument("--server-arg", action="append", default=[], help="extra ComfyUI launch flag (repeatable)")
+    ap.add_argument("--restart", action="store_true", help="then stop ComfyUI, start it again on the same machine "
+                    "(its caches on disk) and run the configurations again: a second JSON with start 'restart'")
+    ap.add_argument("--in-memory", action="store_true", help="build the random weights in the server's memory "
+                    "(tools/memory_model_node) instead of a file UNETLoader reads: for shapes whose file does not fit "
+                    "the disk (FLUX.2 [dev])")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[fluxaccel] %(message)s")
     import torch
@@ -88,50 +102,71 @@ def main(argv=None) -> int:
 
     unet_dir = Path(a.models_dir) / "diffusion_models"
     unet_name = f"fluxaccel-random-{case['shape']}.safetensors"
-    write_flux_file(unet_dir / unet_name, case["shape"], device="cuda" if gpu else "cpu")
+    if not a.in_memory:
+        write_flux_file(unet_dir / unet_name, case["shape"], device="cuda" if gpu else "cpu")
     if gpu:
         torch.cuda.empty_cache()
     flux2 = SHAPES[case["shape"]]["image_model"] == "flux2"
-    start, start_detail = server_start()
     server_args = list(a.server_arg) + ([] if gpu else list(host.CPU_SERVER_ARGS))
-    rows, memory = [], {}
     out = Path(a.out) if a.out else ROOT / ("bench/results" if gpu else ".cache/bench-results")
     out.mkdir(parents=True, exist_ok=True)
     tag = "cpu" if not gpu else gpu.lower().replace(" ", "-")
-    path = out / f"{tag}-{case_name}-first-prompts-{start}.json"
     command = "python tools/first_prompts.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
+    meta = {"case": case_name, "gpu": gpu or "cpu", "command": command, "comfyui": host.comfy_version(comfy_dir),
+            "torch": torch.__version__, "weights": f"random weights, FLUX shape '{case['shape']}'",
+            "settings": {**case, "server_args": server_args},
+            "order": "configurations in this order in one server; later ones reuse ComfyUI's cached UNETLoader output"}
+    start, start_detail = server_start()
+    for n in range(2 if a.restart else 1):
+        if n:  # the same machine, ComfyUI started again: caches on disk, nothing in the process
+            start, start_detail = "restart", f"ComfyUI restarted on the machine of the run before ({server_start()[1]})"
+        path = out / f"{tag}-{case_name}-first-prompts-{start}.json"
+        one_server(comfy_dir, a, case, unet_name, flux2, server_args, path,
+                   {**meta, "start": start, "start_detail": start_detail})
+    return 0
+
+
+def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) -> None:
+    """Start ComfyUI, run each configuration's first and second prompt, write the JSON after each; stop it."""
+    rows, memory = [], {}
+    unet_file = Path(a.models_dir) / "diffusion_models" / unet_name
 
     def write(complete: bool) -> None:  # after every configuration: a run cut short keeps what it measured
         path.write_text(json.dumps({
-            "case": case_name, "gpu": gpu or "cpu", "start": start, "start_detail": start_detail, "command": command,
-            "comfyui": host.comfy_version(comfy_dir), "torch": torch.__version__,
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "weights": f"random weights, FLUX shape '{case['shape']}'", "settings": {**case, "server_args": server_args},
-            "order": "configurations in this order in one server; later ones reuse ComfyUI's cached UNETLoader output",
-            "complete": complete, "host_memory": memory, "results": rows,
-        }, indent=1) + "\n")
+            **meta, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "complete": complete, "host_memory": memory, "results": rows}, indent=1) + "\n")
 
     with tempfile.TemporaryDirectory(prefix="fluxaccel-first-") as work:
-        server = ComfyServer(comfy_dir, Path(work), Path(a.models_dir), tuple(server_args), cpu_fp8=not gpu)
+        server = ComfyServer(comfy_dir, Path(work), Path(a.models_dir), tuple(server_args), cpu_fp8=meta["gpu"] == "cpu",
+                             memory_model=a.in_memory)
         try:
             server.start()
             for config in a.configs:
                 times = []
                 for seed in (1, 2):
                     log.info("%s: prompt %d", config, seed)
-                    times.append(execution_seconds(server.run(prompt_for(config, case, unet_name, seed, flux2))))
-                memory.update(host_memory(server, unet_dir / unet_name))
+                    prompt = prompt_for(config, case, unet_name, seed, flux2, a.in_memory)
+                    times.append(execution_seconds(server.run(prompt, timeout=1800)))
+                memory.update(host_memory(server, unet_file))
+                if a.in_memory and memory.get("server_peak_rss_gib"):  # no file: the weights' bf16 size instead
+                    from fluxaccel.core.models.synthetic import param_count
+
+                    memory["weights_in_memory_gib"] = round(param_count(case["shape"]) * 2 / 1024**3, 2)
+                    memory["peak_rss_over_weights"] = round(memory["server_peak_rss_gib"] / memory["weights_in_memory_gib"], 2)
                 rows.append({"config": config, "first_prompt_s": round(times[0], 3), "second_prompt_s": round(times[1], 3),
                              # the kernel's high-water mark so far: what this configuration's prompts added to the peak
-                             "server_peak_rss_gib_so_far": memory.get("server_peak_rss_gib")})
+                             "server_peak_rss_gib_so_far": memory.get("server_peak_rss_gib"),
+                             "server_anon_now_gib": memory.get("server_anon_now_gib"),
+                             "server_file_now_gib": memory.get("server_file_now_gib")})
                 write(complete=False)
         finally:
             server.stop()
+            if server.log_path.exists():  # ComfyUI's own log next to the JSON (what each node said)
+                shutil.copy(server.log_path, path.with_suffix(".comfyui.log"))
     write(complete=True)
     for r in rows:
         print(f"{r['config']:>14}: first prompt {r['first_prompt_s']:.2f} s, second {r['second_prompt_s']:.2f} s")
-    print(f"({start}: {start_detail}; peak host RSS {memory.get('server_peak_rss_gib')} GiB) wrote {path}")
-    return 0
+    print(f"({meta['start']}: {meta['start_detail']}; peak host RSS {memory.get('server_peak_rss_gib')} GiB) wrote {path}")
 
 
 if __name__ == "__main__":

@@ -158,17 +158,20 @@ def build_flux(shape: str | dict, dtype=torch.bfloat16, device="cpu", seed: int 
     return comfy.model_patcher.ModelPatcher(model, load_device=load, offload_device=offload)
 
 
-def write_flux_file(path: str | os.PathLike, shape: str | dict = "e2e", seed: int = 0, device="cpu") -> Path:
-    """Write a bf16 FLUX .safetensors with every key of the architecture (what UNETLoader loads).
+def param_count(shape: str | dict) -> int:
+    """Parameters of the architecture (built on the meta device: nothing allocated)."""
+    import comfy.ops
 
-    Written once: an existing file is kept. Built tensor by tensor on `device` so a FLUX.1-dev-sized file
-    (24 GB) never needs two copies in host memory.
-    """
+    cfg = unet_config(shape)
+    with torch.device("meta"):
+        meta = _module_class(cfg["image_model"])(dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init,
+                                                 **{k: v for k, v in cfg.items() if k != "image_model"})
+    return sum(p.numel() for p in meta.parameters())
 
-    path = Path(path)
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
+
+def random_state_dict(shape: str | dict, seed: int = 0, device="cpu"):
+    """(key, bf16 CPU tensor) of a random-weight FLUX with every key of the architecture, built tensor by tensor on
+    `device` (a FLUX.1-dev-sized model, 24 GB, never needs two copies in host memory)."""
     import comfy.ops
 
     cfg = unet_config(shape)
@@ -176,7 +179,6 @@ def write_flux_file(path: str | os.PathLike, shape: str | dict = "e2e", seed: in
     with torch.device("meta"):
         meta = _module_class(cfg["image_model"])(dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init,
                                                  **params)
-    sd = {}
     for i, (name, p) in enumerate(meta.named_parameters()):
         t = torch.empty(p.shape, dtype=torch.bfloat16, device=device)
         holder = torch.nn.Module()
@@ -185,7 +187,17 @@ def write_flux_file(path: str | os.PathLike, shape: str | dict = "e2e", seed: in
         # BFL's key names, which both hosts load: ComfyUI 0.33 names the QK-norm gains .weight and renames
         # *_norm.scale on load (comfy/supported_models.py); 0.3.75 names them .scale
         key = name[: -len(".weight")] + ".scale" if name.endswith("_norm.weight") else name
-        sd[key] = t.cpu().contiguous()
+        yield key, t.cpu().contiguous()
+
+
+def write_flux_file(path: str | os.PathLike, shape: str | dict = "e2e", seed: int = 0, device="cpu") -> Path:
+    """Write a bf16 FLUX .safetensors with every key of the architecture (what UNETLoader loads). Written once: an
+    existing file is kept."""
+    path = Path(path)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sd = dict(random_state_dict(shape, seed, device))
     save_atomic(sd, path, metadata={"fluxaccel": f"random-weight FLUX shape={shape} seed={seed}"})
     log.info("wrote random-weight FLUX (%s) to %s", shape, path)
     return path
