@@ -42,6 +42,8 @@ CASES = {
     # FLUX.2 [klein] 9B's shape: its own 4 steps, and 28 (per-step figures comparable with FLUX.1-dev's)
     "klein9b-1024-4": dict(shape="klein-9b", width=1024, height=1024, steps=4, text_length=512, runs=3),
     "klein9b-1024-28": dict(shape="klein-9b", width=1024, height=1024, steps=28, text_length=512, runs=2),
+    # FLUX.2 [dev]'s shape (32B): its bf16 file (64 GB) does not fit the GPU machine's disk: first_prompts --in-memory
+    "flux2dev-1024-28": dict(shape="flux2-dev", width=1024, height=1024, steps=28, text_length=512, runs=2),
 }
 WORKFLOWS = {
     # suite: (workflow, ComfyUI launch flags it needs on a GPU)
