@@ -47,7 +47,12 @@ class FluxAccelRandomModelInMemory:
         if (shape, seed) not in _BUILT:
             device = "cuda" if torch.cuda.is_available() else "cpu"
             sd = dict(synthetic.random_state_dict(shape, seed, device))
-            model = comfy.sd.load_diffusion_model_state_dict(sd, model_options={})
+            model = comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options={})
+            if model is None:  # ComfyUI's detection did not recognise it: say what it saw
+                import comfy.model_detection as md
+
+                raise RuntimeError(f"ComfyUI did not detect {shape}: {len(sd)} keys, e.g. {sorted(sd)[:4]}; prefix "
+                                   f"{md.unet_prefix_from_state_dict(sd)!r}; config {md.detect_unet_config(sd, '')}")
             model.cached_patcher_init = (_resident_reload, (shape, seed))
             _BUILT[(shape, seed)] = model
         return (_BUILT[(shape, seed)],)
