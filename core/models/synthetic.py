@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from ..upstream import comfy_internals
+
 log = logging.getLogger("fluxaccel.models")
 
 _BASE = dict(
@@ -160,11 +162,9 @@ def build_flux(shape: str | dict, dtype=torch.bfloat16, device="cpu", seed: int 
 
 def param_count(shape: str | dict) -> int:
     """Parameters of the architecture (built on the meta device: nothing allocated)."""
-    import comfy.ops
-
     cfg = unet_config(shape)
     with torch.device("meta"):
-        meta = _module_class(cfg["image_model"])(dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init,
+        meta = _module_class(cfg["image_model"])(dtype=torch.bfloat16, operations=comfy_internals.eager_init_ops(),
                                                  **{k: v for k, v in cfg.items() if k != "image_model"})
     return sum(p.numel() for p in meta.parameters())
 
@@ -172,12 +172,10 @@ def param_count(shape: str | dict) -> int:
 def random_state_dict(shape: str | dict, seed: int = 0, device="cpu"):
     """(key, bf16 CPU tensor) of a random-weight FLUX with every key of the architecture, built tensor by tensor on
     `device` (a FLUX.1-dev-sized model, 24 GB, never needs two copies in host memory)."""
-    import comfy.ops
-
     cfg = unet_config(shape)
     params = {k: v for k, v in cfg.items() if k != "image_model"}
     with torch.device("meta"):
-        meta = _module_class(cfg["image_model"])(dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init,
+        meta = _module_class(cfg["image_model"])(dtype=torch.bfloat16, operations=comfy_internals.eager_init_ops(),
                                                  **params)
     for i, (name, p) in enumerate(meta.named_parameters()):
         t = torch.empty(p.shape, dtype=torch.bfloat16, device=device)

@@ -269,3 +269,21 @@ def load_options(model) -> dict[str, str]:
     args = init[1] if init and not isinstance(init, Unavailable) and len(init) > 1 else ()
     opts = next((a for a in args if isinstance(a, dict)), {})
     return {str(k): str(v) for k, v in sorted(opts.items(), key=lambda kv: str(kv[0]))}
+
+
+# -- building a model for its shapes ----------------------------------------------------------------------------------
+def eager_init_ops():
+    """ComfyUI's disable_weight_init op classes with every weight allocated at construction. Under comfy-aimdo (0.33,
+    dynamic VRAM) its Linear and Embedding defer their weights to the state-dict load unless a subclass brings its own
+    loader (`_load_from_state_dict`), so a model built to read its parameter shapes would have none."""
+    import comfy.ops
+
+    base = comfy.ops.disable_weight_init
+
+    class Linear(base.Linear):
+        _load_from_state_dict = torch.nn.Linear._load_from_state_dict
+
+    class Embedding(base.Embedding):
+        _load_from_state_dict = torch.nn.Embedding._load_from_state_dict
+
+    return type("EagerInitOps", (base,), {"Linear": Linear, "Embedding": Embedding})

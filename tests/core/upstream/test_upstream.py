@@ -261,3 +261,21 @@ def test_float8_primitives_missing_refuse_the_plain_layout(monkeypatch, tiny_flu
 def test_map_float8_data_missing():
     with pytest.raises(RuntimeError, match="_apply_fn_to_data"):
         torchao_internals.map_float8_data(torch.zeros(2), lambda t: t)
+
+
+def test_shapes_are_read_with_comfy_aimdo_on(monkeypatch):
+    """Under comfy-aimdo (dynamic VRAM) ComfyUI's Linear defers its weight to the state-dict load: the synthetic
+    models still see every parameter (eager_init_ops), as without it."""
+    import comfy.memory_management
+
+    from fluxaccel.core.models import synthetic
+
+    without = synthetic.param_count("e2e-flux2")
+    keys = [k for k, _ in synthetic.random_state_dict("e2e-flux2")]
+    monkeypatch.setattr(comfy.memory_management, "aimdo_enabled", True)
+    assert synthetic.param_count("e2e-flux2") == without > 0
+    assert [k for k, _ in synthetic.random_state_dict("e2e-flux2")] == keys
+    import comfy.ops
+
+    with torch.device("meta"):
+        assert comfy.ops.disable_weight_init.Linear(16, 16).weight is None  # what ComfyUI's own op does then
