@@ -51,6 +51,7 @@ class Fp8Report:
     requantized: dict[str, int] = field(default_factory=dict)
     dequantized: list[str] = field(default_factory=list)
     weights_cache: str = ""  # loaded from / saved to the FP8 weights cache, or why not cached
+    fp8_home: str = ""  # where the FP8 copies wait for ComfyUI's load (GPU or host RAM)
 
     @property
     def bytes_saved(self) -> int:
@@ -72,6 +73,8 @@ class Fp8Report:
         ]
         if self.weights_cache:
             lines.append(f"FP8 weights cache: {self.weights_cache}")
+        if self.fp8_home:
+            lines.append(f"FP8 weights wait {self.fp8_home}")
         if self.merged_patches:
             lines.append(f"merged {len(self.merged_patches)} weight patches (LoRA etc.) into the FP8 weights")
         for fmt, n in sorted(self.requantized.items()):
@@ -247,17 +250,16 @@ def _keep_merged(clone, merged_keys: list[str], merged: dict, report: Fp8Report)
 
 
 def _quantize_one(model, clone, lin, name: str, cfg: Fp8Config, device, compute_dtype, report: Fp8Report,
-                  merged: dict) -> str:
+                  merged: dict, home) -> str:
     """One chosen Linear as an FP8 object patch of the clone (its weight as this clone runs it: patches merged)."""
     params, merged_keys = _as_this_clone_runs(model, lin, name, device)
     if is_checkpoint_quantized(lin.weight):
         fmt = checkpoint_format(lin)
         report.requantized[fmt] = report.requantized.get(fmt, 0) + 1
     _keep_merged(clone, merged_keys, merged, report)
-    # quantize on the GPU (fast), then park the FP8 copy where ComfyUI keeps unloaded weights: the GPU then holds
-    # only what ComfyUI itself loads (and accounts for), e.g. not two FP8 variants at once.
+    # quantize on the GPU (fast); the copy waits for ComfyUI's load where _fp8_home says
     base = lin if isinstance(lin, torch.nn.Linear) else _plain_linear(lin)
-    q = quantize_linear(base, cfg, device, compute_dtype, params).to(model.offload_device)
+    q = quantize_linear(base, cfg, device, compute_dtype, params).to(home)
     key = f"diffusion_model.{name}"
     clone.add_object_patch(key, q)
     report.quantized.append(name)
@@ -266,19 +268,39 @@ def _quantize_one(model, clone, lin, name: str, cfg: Fp8Config, device, compute_
     return key
 
 
-def _from_stored(model, clone, lin, name: str, parts: dict, like, device, compute_dtype, report: Fp8Report) -> str:
+def _from_stored(model, clone, lin, name: str, parts: dict, like, device, compute_dtype, report: Fp8Report,
+                 home) -> str:
     """One chosen Linear as an FP8 object patch built from the FP8 weights cache (no quantization)."""
     params, _ = _as_this_clone_runs(model, lin, name, device)  # the bias as this clone runs it (no patches here)
-    q = plain_from_parts(lin, parts["weight"], parts["scale"], like, model.offload_device, compute_dtype)
+    q = plain_from_parts(lin, parts["weight"], parts["scale"], like, home, compute_dtype)
     if "bias" in params:
-        q.bias = torch.nn.Parameter(params["bias"].detach().to(model.offload_device, compute_dtype),
-                                    requires_grad=False)
+        q.bias = torch.nn.Parameter(params["bias"].detach().to(home, compute_dtype), requires_grad=False)
     key = f"diffusion_model.{name}"
     clone.add_object_patch(key, q)
     report.quantized.append(name)
     report.bytes_before += _stored_bytes(lin)
     report.bytes_after += linear_weight_bytes(q)
     return key
+
+
+def _fp8_home(model, device: torch.device, fp8_bytes: int, report: Fp8Report) -> torch.device:
+    """Where the FP8 copies wait until ComfyUI loads the clone. On the load device when it has room for them beside
+    ComfyUI's inference reserve: the host then holds no second copy (for FLUX.2 [dev], 32 GB), and ComfyUI's load
+    moves nothing; until that load ComfyUI's memory checks count them as used memory of the device (not as a model
+    it can unload), and its first unload moves them to the host like any loaded weights. Else where ComfyUI keeps
+    unloaded weights (host RAM)."""
+    import comfy.model_management as mm
+
+    offload = torch.device(model.offload_device)
+    if device.type == "cpu" or device == offload:
+        return offload
+    room = mm.get_free_memory(device) - mm.minimum_inference_memory()
+    home = device if room > fp8_bytes else offload
+    report.fp8_home = (f"on {device} until ComfyUI loads the model ({fp8_bytes / 1024**3:.1f} GiB, "
+                       f"{room / 1024**3:.1f} GiB free beside ComfyUI's reserve)" if home == device else
+                       f"in host RAM until ComfyUI loads the model ({device} has {room / 1024**3:.1f} GiB free beside "
+                       f"ComfyUI's reserve, {fp8_bytes / 1024**3:.1f} GiB needed)")
+    return home
 
 
 def _same_fp8(q, parts: dict) -> bool:
@@ -297,16 +319,18 @@ def _quantize_chosen(model, clone, originals: dict, chosen: list[str], cfg: Fp8C
              if any(is_checkpoint_quantized(originals[n].weight) for n in chosen)
              else weights_cache.entry_for(model, cfg, compute_dtype, patched))
     stored = weights_cache.load(entry, {n: tuple(originals[n].weight.shape) for n in chosen})
-    keys = [_quantize_one(model, clone, originals[chosen[0]], chosen[0], cfg, device, compute_dtype, report, merged)]
+    home = _fp8_home(model, device, sum(originals[n].weight.numel() for n in chosen), report)
+    keys = [_quantize_one(model, clone, originals[chosen[0]], chosen[0], cfg, device, compute_dtype, report, merged,
+                          home)]
     like = clone.object_patches[keys[0]]
     if stored is not None and not _same_fp8(like, stored[chosen[0]]):
         log.warning("FluxAccel: the FP8 weights cache file %s holds other numbers than quantizing gives now; "
                     "quantizing instead (and saving again)", entry.path)
         stored = None
     for name in chosen[1:]:
-        keys.append(_from_stored(model, clone, originals[name], name, stored[name], like, device, compute_dtype, report)
-                    if stored is not None else
-                    _quantize_one(model, clone, originals[name], name, cfg, device, compute_dtype, report, merged))
+        keys.append(_from_stored(model, clone, originals[name], name, stored[name], like, device, compute_dtype, report,
+                                 home) if stored is not None else
+                    _quantize_one(model, clone, originals[name], name, cfg, device, compute_dtype, report, merged, home))
     if stored is not None:
         report.weights_cache = f"loaded {len(chosen) - 1} Linears from {entry.path} (the first quantized and checked)"
     elif entry.key is not None:

@@ -219,3 +219,22 @@ def test_quantizes_unpatched_weights_while_another_clone_is_loaded(cpu_fp8, tiny
     q_during, report = apply_fp8(tiny_flux, Fp8Config("per_row"))
     assert report.merged_patches == []
     assert torch.equal(forward(q_during, inputs), clean)
+
+
+@pytest.mark.parametrize("free_gib, expect", [(40, "cuda:0"), (12, "cpu")])
+def test_fp8_copies_wait_on_the_gpu_only_with_room_beside_comfyuis_reserve(monkeypatch, free_gib, expect):
+    """The FP8 copies of a 16 GiB selection stay on the load device when ComfyUI's free-memory figure minus its
+    inference reserve holds them (no host copy), else wait in host RAM; the report says which."""
+    from types import SimpleNamespace
+
+    import comfy.model_management as mm
+    from fluxaccel.core.quant.patch import Fp8Report, _fp8_home
+
+    free = free_gib * 1024**3
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (free, free) if torch_free_too
+                        else free)
+    monkeypatch.setattr(mm, "minimum_inference_memory", lambda: 2 * 1024**3)
+    report = Fp8Report("per_row", "blocks", "cuda:0")
+    home = _fp8_home(SimpleNamespace(offload_device=torch.device("cpu")), torch.device("cuda:0"), 16 * 1024**3, report)
+    assert str(home) == expect
+    assert ("on cuda:0 until ComfyUI loads" if expect == "cuda:0" else "in host RAM") in report.summary()
