@@ -120,7 +120,8 @@ def main(argv=None) -> int:
     for n in range(2 if a.restart else 1):
         if n:  # the same machine, ComfyUI started again: caches on disk, nothing in the process
             start, start_detail = "restart", f"ComfyUI restarted on the machine of the run before ({server_start()[1]})"
-        path = out / f"{tag}-{case_name}-first-prompts-{start}.json"
+        configs = "" if a.configs == ["fluxaccel", "eager", "torchcompile"] else "-" + "-".join(a.configs)
+        path = out / f"{tag}-{case_name}-first-prompts{configs}-{start}.json"
         one_server(comfy_dir, a, case, unet_name, flux2, server_args, path,
                    {**meta, "start": start, "start_detail": start_detail})
     return 0
