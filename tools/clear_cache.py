@@ -1,4 +1,4 @@
-"""Delete FluxAccel's persistent compile cache (compile-cache files and warm-start packages; only files that carry
+"""Delete FluxAccel's persistent caches (compile-cache files, warm-start packages and FP8 weights; only files that carry
 FluxAccel's headers), of the ComfyUI this plugin is installed in.
 
     python custom_nodes/comfyui-fluxaccel/tools/clear_cache.py   # <ComfyUI>/user/fluxaccel/compile-cache

@@ -135,7 +135,8 @@ class KernelCache:
 
 
 def clear(directory: Path | None = None) -> int:
-    """Delete FluxAccel's compile-cache files and warm-start packages (only files that carry our headers)."""
+    """Delete FluxAccel's compile-cache files, warm-start packages and FP8 weights files (only files that carry our
+    headers)."""
     from .warm_start import MAGIC as WARM_MAGIC, SUFFIX as WARM_SUFFIX
 
     d = Path(directory) if directory else default_dir()
@@ -146,4 +147,11 @@ def clear(directory: Path | None = None) -> int:
                 if fh.read(len(magic)) == magic:
                     f.unlink()
                     n += 1
+    from ..quant.weights_cache import is_ours
+
+    weights = d / "fp8-weights"
+    for f in weights.glob("*.safetensors") if weights.is_dir() else []:
+        if is_ours(f):
+            f.unlink()
+            n += 1
     return n

@@ -9,7 +9,7 @@ Linears are quantized as usual (and saved again). Files are written to a tempora
 several ComfyUI workers can share the folder. Not cached: the 'subclass' layout, models with weight patches (LoRA)
 merged into the quantized Linears, and models that no file identifies (loaded by custom nodes).
 
-Folder: `fp8-weights/` inside FluxAccel's cache folder (kernel_cache.default_dir: ComfyUI's user directory, or
+Folder (tools/clear_cache.py empties it with the compile cache): `fp8-weights/` inside FluxAccel's cache folder (kernel_cache.default_dir: ComfyUI's user directory, or
 $FLUXACCEL_CACHE_DIR); $FLUXACCEL_FP8_CACHE=0 turns the cache off. A file is about half the size of the quantized
 Linears' bf16 weights (FLUX.1-dev: 11 GiB); the oldest files go once the folder holds more than
 $FLUXACCEL_FP8_CACHE_MAX_GIB (default 64).
@@ -119,6 +119,16 @@ def load(entry: Entry, shapes: dict[str, tuple[int, ...]]) -> dict[str, dict[str
         return None
     os.utime(path)  # recently used: pruned last
     return out
+
+
+def is_ours(path: Path) -> bool:
+    """A file this cache wrote (its safetensors header names our format)."""
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            return FORMAT.encode() in f.read(min(n, 1 << 24))
+    except (OSError, struct.error):
+        return False
 
 
 _writers: list[threading.Thread] = []

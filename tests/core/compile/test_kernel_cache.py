@@ -65,8 +65,18 @@ def test_clear_removes_only_our_files(tmp_path):
     (tmp_path / "a.bin").write_bytes(MAGIC + b"{}\n")
     (tmp_path / "b.bin").write_bytes(b"someone else's")
     (tmp_path / "c.txt").write_bytes(MAGIC)
-    assert clear(tmp_path) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin", "c.txt"]
+    import torch
+    from safetensors.torch import save_file
+
+    from fluxaccel.core.quant import weights_cache
+
+    weights = tmp_path / "fp8-weights"
+    weights_cache._write(weights / "ours.safetensors", {"l.weight": torch.zeros(2, 2)},
+                         {"key": weights_cache.json.dumps({"format": weights_cache.FORMAT})})
+    save_file({"x": torch.zeros(2)}, str(weights / "theirs.safetensors"))
+    assert clear(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin", "c.txt", "fp8-weights"]
+    assert [p.name for p in weights.iterdir()] == ["theirs.safetensors"]
 
 
 def test_fp8_variants_of_one_model_get_their_own_cache_files(cpu_fp8, tiny_flux):
