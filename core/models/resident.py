@@ -14,6 +14,7 @@ FluxAccel says so and uses ComfyUI's delegate (the second host copy).
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -85,6 +86,8 @@ def _unpatched(model) -> str:
     return ""
 
 
+_SHARED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # the resident copies built here (for the log)
+
 RELOAD = ("FluxAccel uses ComfyUI's non-dynamic delegate: the checkpoint is loaded once more (a second host copy of "
           "its weights)")
 
@@ -105,6 +108,7 @@ def _shared_copy(model) -> torch.nn.Module | Unavailable | str:
         copy.__dict__.pop(name, None)
     if not shares_weights(copy, base):
         return "its parameters could not be shared"
+    _SHARED.add(copy)
     return copy
 
 
@@ -135,7 +139,7 @@ def resident(model, node: str):
     if is_dynamic(delegate):
         raise FluxAccelError(f"{node}: ComfyUI returned a dynamic-VRAM model where a resident one was asked for "
                              f"({type(delegate).__name__}); start ComfyUI with --disable-dynamic-vram.")
-    if shares_weights(delegate.model, model.model):
+    if delegate.model in _SHARED:
         log.info("FluxAccel: %s works on a resident copy of this dynamic-VRAM model that shares its weights (no "
                  "second host copy)", node)
     else:
