@@ -45,16 +45,23 @@ CONFIGS = {
                                            "max_shapes": 4, "persistent_cache": True, "block_regions": False})],
     "eager": [],
     "torchcompile": [("5", "TorchCompileModel", {"backend": "inductor"})],
+    # core's fp8_e4m3fn_fast + TorchCompileModel: the loader with weight_dtype fp8_e4m3fn_fast (its own node, "1f")
+    "fp8fast-torchcompile": [("5", "TorchCompileModel", {"backend": "inductor"})],
 }
+FP8_FAST = {"fp8fast-torchcompile"}
 
 
 def prompt_for(config: str, case: dict, unet_name: str, seed: int, flux2: bool, in_memory: bool = False) -> dict:
     """One configuration's prompt; node ids are shared between configurations so ComfyUI's cache reuses the loader.
     in_memory: the tools-only FluxAccelRandomModelInMemory instead of UNETLoader (no file)."""
-    loader = ({"class_type": "FluxAccelRandomModelInMemory", "inputs": {"shape": case["shape"], "seed": 0}}
-              if in_memory else {"class_type": "UNETLoader", "inputs": {"unet_name": unet_name, "weight_dtype": "default"}})
+    def loader(dtype: str) -> dict:
+        if in_memory:
+            return {"class_type": "FluxAccelRandomModelInMemory",
+                    "inputs": {"shape": case["shape"], "seed": 0, "weight_dtype": dtype}}
+        return {"class_type": "UNETLoader", "inputs": {"unet_name": unet_name, "weight_dtype": dtype}}
+
     p = {
-        "1": loader,
+        "1": loader("default"),
         "2": {"class_type": "FluxAccelSyntheticConditioning",
               "inputs": {"model": ["1", 0], "text_length": case["text_length"], "guidance": 3.5, "seed": 0}},
         "3": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["2", 0]}},
@@ -62,6 +69,9 @@ def prompt_for(config: str, case: dict, unet_name: str, seed: int, flux2: bool, 
               "inputs": {"width": case["width"], "height": case["height"], "batch_size": 1}},
     }
     model = ["1", 0]
+    if config in FP8_FAST:
+        p["1f"] = loader("fp8_e4m3fn_fast")
+        model = ["1f", 0]
     for nid, cls, inputs in CONFIGS[config]:
         p[f"{config}-{nid}"] = {"class_type": cls, "inputs": {"model": model, **inputs}}
         model = [f"{config}-{nid}", 0]

@@ -18,14 +18,23 @@ from tools.plugin import register  # noqa: E402
 register()
 from fluxaccel.core.models import resident, synthetic  # noqa: E402
 
-_BUILT: dict[tuple[str, int], object] = {}  # (shape, seed) -> the dynamic patcher built from it
+_WEIGHTS: dict[tuple[str, int], dict] = {}  # (shape, seed) -> the random bf16 state dict (built once)
+_BUILT: dict[tuple[str, int, str], object] = {}  # (shape, seed, weight_dtype) -> the dynamic patcher over it
+# UNETLoader's weight_dtype choices this node reproduces, as the model_options UNETLoader passes
+WEIGHT_DTYPES = {"default": {}, "fp8_e4m3fn_fast": {"dtype": torch.float8_e4m3fn, "fp8_optimizations": True}}
 
 
-def _resident_reload(shape: str, seed: int, disable_dynamic: bool = False):
-    """cached_patcher_init: the same weights as a plain ModelPatcher (the tensors shared, nothing copied)."""
+def _resident_reload(shape: str, seed: int, weight_dtype: str = "default", disable_dynamic: bool = False):
+    """cached_patcher_init. bf16: the same weights as a plain ModelPatcher (the tensors shared, nothing copied).
+    fp8_e4m3fn_fast: what UNETLoader's reload makes of a bf16 file with that weight_dtype, a model whose weights are
+    cast to FP8 (a second host copy, half the size)."""
     import comfy.model_patcher
+    import comfy.sd
 
-    dyn = _BUILT[(shape, seed)]
+    if WEIGHT_DTYPES[weight_dtype]:
+        return comfy.sd.load_diffusion_model_state_dict(dict(_WEIGHTS[(shape, seed)]), dict(WEIGHT_DTYPES[weight_dtype]),
+                                                        disable_dynamic=disable_dynamic)
+    dyn = _BUILT[(shape, seed, weight_dtype)]
     copy = resident._shared_copy(dyn)
     if not isinstance(copy, torch.nn.Module):
         raise RuntimeError(f"cannot share the in-memory weights: {copy}")
@@ -35,27 +44,31 @@ def _resident_reload(shape: str, seed: int, disable_dynamic: bool = False):
 class FluxAccelRandomModelInMemory:
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"shape": (sorted(synthetic.SHAPES),), "seed": ("INT", {"default": 0, "min": 0})}}
+        return {"required": {"shape": (sorted(synthetic.SHAPES),), "seed": ("INT", {"default": 0, "min": 0}),
+                             "weight_dtype": (sorted(WEIGHT_DTYPES), {"default": "default"})}}
 
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "build"
     CATEGORY = "FluxAccel/tools"
 
-    def build(self, shape: str, seed: int):
+    def build(self, shape: str, seed: int, weight_dtype: str = "default"):
         import comfy.sd
 
-        if (shape, seed) not in _BUILT:
+        if (shape, seed) not in _WEIGHTS:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            sd = dict(synthetic.random_state_dict(shape, seed, device))
-            model = comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options={})
+            _WEIGHTS[(shape, seed)] = dict(synthetic.random_state_dict(shape, seed, device))
+        sd = _WEIGHTS[(shape, seed)]
+        key = (shape, seed, weight_dtype)
+        if key not in _BUILT:
+            model = comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options=dict(WEIGHT_DTYPES[weight_dtype]))
             if model is None:  # ComfyUI's detection did not recognise it: say what it saw
                 import comfy.model_detection as md
 
                 raise RuntimeError(f"ComfyUI did not detect {shape}: {len(sd)} keys, e.g. {sorted(sd)[:4]}; prefix "
                                    f"{md.unet_prefix_from_state_dict(sd)!r}; config {md.detect_unet_config(sd, '')}")
-            model.cached_patcher_init = (_resident_reload, (shape, seed))
-            _BUILT[(shape, seed)] = model
-        return (_BUILT[(shape, seed)],)
+            model.cached_patcher_init = (_resident_reload, key)
+            _BUILT[key] = model
+        return (_BUILT[key],)
 
 
 NODE_CLASS_MAPPINGS = {"FluxAccelRandomModelInMemory": FluxAccelRandomModelInMemory}
