@@ -1,0 +1,32 @@
+"""tools/first_prompts.py end to end on the CPU: a real ComfyUI server, then the same machine's ComfyUI restarted. The
+restarted server's FluxAccel prompt reads the FP8 weights the first server saved and loads the warm-start package
+instead of quantizing and compiling again (ComfyUI's own log says so)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.e2e
+
+
+def test_first_prompts_of_a_fresh_and_a_restarted_comfyui(tmp_path, e2e_model_file):
+    env = {**__import__("os").environ, "FLUXACCEL_CACHE_DIR": str(tmp_path / "cache")}
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "first_prompts.py"), "--case", "tiny-cpu", "--configs",
+                        "fluxaccel", "eager", "--restart", "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    runs = {s: json.loads((tmp_path / "out" / f"cpu-tiny-cpu-first-prompts-fluxaccel-eager-{s}.json").read_text())
+            for s in ("fresh", "restart")}
+    for start, res in runs.items():
+        assert res["start"] == start and res["complete"] and res["command"].startswith("python tools/first_prompts.py")
+        assert [r["config"] for r in res["results"]] == ["fluxaccel", "eager"]
+        assert all(r["first_prompt_s"] > 0 and r["second_prompt_s"] > 0 for r in res["results"])
+        assert res["host_memory"]["server_peak_rss_gib"] > 0
+    logs = {s: (tmp_path / "out" / f"cpu-tiny-cpu-first-prompts-fluxaccel-eager-{s}.comfyui.log").read_text()
+            for s in runs}
+    assert "FP8 weights cache: saving to" in logs["fresh"] and "compiled batch 1" in logs["fresh"]
+    assert "FP8 weights cache: loaded" in logs["restart"] and "from its warm-start package" in logs["restart"]
+    assert "compiled batch 1" not in logs["restart"]
