@@ -259,7 +259,11 @@ def _quantize_one(model, clone, lin, name: str, cfg: Fp8Config, device, compute_
     _keep_merged(clone, merged_keys, merged, report)
     # quantize on the GPU (fast); the copy waits for ComfyUI's load where _fp8_home says
     base = lin if isinstance(lin, torch.nn.Linear) else _plain_linear(lin)
-    q = quantize_linear(base, cfg, device, compute_dtype, params).to(home)
+    return _patch_in(clone, lin, name, quantize_linear(base, cfg, device, compute_dtype, params).to(home), report)
+
+
+def _patch_in(clone, lin, name: str, q, report: Fp8Report) -> str:
+    """The FP8 Linear q as the clone's object patch for lin, counted in the report."""
     key = f"diffusion_model.{name}"
     clone.add_object_patch(key, q)
     report.quantized.append(name)
@@ -275,12 +279,7 @@ def _from_stored(model, clone, lin, name: str, parts: dict, like, device, comput
     q = plain_from_parts(lin, parts["weight"], parts["scale"], like, home, compute_dtype)
     if "bias" in params:
         q.bias = torch.nn.Parameter(params["bias"].detach().to(home, compute_dtype), requires_grad=False)
-    key = f"diffusion_model.{name}"
-    clone.add_object_patch(key, q)
-    report.quantized.append(name)
-    report.bytes_before += _stored_bytes(lin)
-    report.bytes_after += linear_weight_bytes(q)
-    return key
+    return _patch_in(clone, lin, name, q, report)
 
 
 def _fp8_home(model, device: torch.device, fp8_bytes: int, report: Fp8Report) -> torch.device:
