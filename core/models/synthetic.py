@@ -160,23 +160,23 @@ def build_flux(shape: str | dict, dtype=torch.bfloat16, device="cpu", seed: int 
     return comfy.model_patcher.ModelPatcher(model, load_device=load, offload_device=offload)
 
 
-def param_count(shape: str | dict) -> int:
-    """Parameters of the architecture (built on the meta device: nothing allocated)."""
+def _meta_model(shape: str | dict) -> torch.nn.Module:
+    """The architecture's diffusion model on the meta device (shapes only, nothing allocated)."""
     cfg = unet_config(shape)
     with torch.device("meta"):
-        meta = _module_class(cfg["image_model"])(dtype=torch.bfloat16, operations=comfy_internals.eager_init_ops(),
+        return _module_class(cfg["image_model"])(dtype=torch.bfloat16, operations=comfy_internals.eager_init_ops(),
                                                  **{k: v for k, v in cfg.items() if k != "image_model"})
-    return sum(p.numel() for p in meta.parameters())
+
+
+def param_count(shape: str | dict) -> int:
+    """Parameters of the architecture."""
+    return sum(p.numel() for p in _meta_model(shape).parameters())
 
 
 def random_state_dict(shape: str | dict, seed: int = 0, device="cpu"):
     """(key, bf16 CPU tensor) of a random-weight FLUX with every key of the architecture, built tensor by tensor on
     `device` (a FLUX.1-dev-sized model, 24 GB, never needs two copies in host memory)."""
-    cfg = unet_config(shape)
-    params = {k: v for k, v in cfg.items() if k != "image_model"}
-    with torch.device("meta"):
-        meta = _module_class(cfg["image_model"])(dtype=torch.bfloat16, operations=comfy_internals.eager_init_ops(),
-                                                 **params)
+    meta = _meta_model(shape)
     for i, (name, p) in enumerate(meta.named_parameters()):
         t = torch.empty(p.shape, dtype=torch.bfloat16, device=device)
         holder = torch.nn.Module()
