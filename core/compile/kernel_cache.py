@@ -78,6 +78,7 @@ class KernelCache:
         self.key = key
         self.path = self.dir / f"{key}.bin"
         self.artifacts: dict[str, list] = {}  # kind -> torch CacheArtifacts: loaded from this file, recorded for it
+        self._on_disk: set = set()  # (kind, key) of the artifacts the file already holds
 
     def load(self) -> bool:
         """Hot-load saved artifacts into inductor's caches; False (with a warning) if absent or unusable."""
@@ -92,6 +93,7 @@ class KernelCache:
                 raise ValueError("written for another model/version/config")
             artifacts, info = torch_internals.load_artifacts(payload)
             self._merge(artifacts)
+            self._on_disk |= self._held()
             log.info("FluxAccel: loaded compile cache %s (%s)", self.path, info)
             return True
         except UNUSABLE_FILE as e:  # a cache must never break a run: warn and compile from scratch
@@ -111,14 +113,18 @@ class KernelCache:
             keys = {a.key for a in have}
             have.extend(a for a in items if a.key not in keys)
 
+    def _held(self) -> set:
+        return {(kind, a.key) for kind, items in self.artifacts.items() for a in items}
+
     def save(self) -> bool:
-        """Write this model's artifacts (write to a temporary name, then rename: workers may share the folder)."""
+        """Write this model's artifacts (write to a temporary name, then rename: workers may share the folder); not
+        when the file already holds all of them (a warm start that compiled nothing new)."""
         try:
             per_compile = torch_internals.per_compile_artifacts()
             if per_compile is not True:
                 say(per_compile, "a compile-cache file holds every artifact this process compiled (torch's public "
                                  "save_cache_artifacts), not only this model's")
-            elif not any(self.artifacts.values()):
+            elif not any(self.artifacts.values()) or self._held() <= self._on_disk:
                 return False
             payload = torch_internals.save_artifacts(self.artifacts)
             if not payload:
@@ -127,6 +133,7 @@ class KernelCache:
             tmp = self.path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_bytes(MAGIC + json.dumps({"key": self.key}).encode() + b"\n" + payload)
             os.replace(tmp, self.path)
+            self._on_disk = self._held()
             log.info("FluxAccel: saved compile cache %s (%d bytes)", self.path, len(payload))
             return True
         except UNWRITABLE as e:

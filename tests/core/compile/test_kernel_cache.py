@@ -168,5 +168,8 @@ def test_a_restart_that_meets_fewer_shapes_keeps_the_others(tiny_flux, tmp_path,
     torch._dynamo.reset()
     again = CompiledFlux(dm, cfg, torch.device("cpu"))
     assert again.stats.cache_loaded and again.cache.path == first.cache.path
+    written = again.cache.path.stat().st_mtime_ns
     run(again, 16)
     assert len(both) > 1 and _artifact_keys(again.cache.path) >= both, "the restart's save dropped a shape"
+    # everything this compile needed came from the file: it is not written again on the first call
+    assert again.cache.path.stat().st_mtime_ns == written and not again.cache.save()
