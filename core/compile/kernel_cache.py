@@ -42,7 +42,7 @@ def default_dir() -> Path:
         return Path.home() / ".cache" / "fluxaccel" / "compile-cache"
 
 
-def _version(pkg: str) -> str | None:
+def package_version(pkg: str) -> str | None:
     try:
         return md.version(pkg)
     except md.PackageNotFoundError:
@@ -66,7 +66,8 @@ def cache_key(dm: torch.nn.Module, cfg, device: torch.device, variant: str = "",
             h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{type(p.data).__name__}".encode())
     # only what changes the compiled artifacts: the inductor options (graphs, mode), not resolution_policy etc.
     options = repr(sorted(cfg.inductor_options(device).items())) + f" block_regions={cfg.block_regions}"
-    ident = {"format": 1, "torch": torch.__version__, "triton": _version("triton"), "torchao": _version("torchao"),
+    ident = {"format": 1, "torch": torch.__version__, "triton": package_version("triton"),
+             "torchao": package_version("torchao"),
              "device": dev, "config": options, "model": type(dm).__name__, "layout": h.hexdigest(),
              "variant": variant}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]

@@ -19,7 +19,7 @@ import weakref
 import torch
 
 from ..errors import FluxAccelError
-from ..upstream import Unavailable, comfy_internals, say
+from ..upstream import Unavailable, comfy_internals, say, torch_internals
 
 log = logging.getLogger("fluxaccel.compat")
 
@@ -28,42 +28,6 @@ def is_dynamic(model) -> bool:
     """ComfyUI 0.33's own answer (ModelPatcher.is_dynamic); False on releases without dynamic VRAM."""
     fn = getattr(model, "is_dynamic", None)
     return bool(fn()) if callable(fn) else False
-
-
-# -- a module tree over the same storage ---------------------------------------------------------------------------
-def _shared_param(p):
-    return None if p is None else torch.nn.Parameter(p.data, requires_grad=p.requires_grad)
-
-
-def share_tree(root: torch.nn.Module, drop: tuple[str, ...] = ()) -> torch.nn.Module:
-    """A copy of `root`'s module tree: new module objects (so moving, patching or casting the copy never touches the
-    original's modules or parameters) whose parameters and buffers hold the original's tensors' storage. Instance
-    attributes named in `drop` are left out (the class's defaults apply); attributes that point at modules of the
-    tree point at their copies."""
-    copies: dict[int, torch.nn.Module] = {}
-
-    def copy_one(m: torch.nn.Module) -> torch.nn.Module:
-        if id(m) in copies:  # a module used twice stays one module
-            return copies[id(m)]
-        new = type(m).__new__(type(m))
-        state = {k: v for k, v in vars(m).items() if k not in drop}
-        for k, v in state.items():
-            if k.endswith("hooks") and isinstance(v, dict):
-                state[k] = type(v)(v)
-        state["_parameters"] = type(m._parameters)((n, _shared_param(p)) for n, p in m._parameters.items())
-        state["_buffers"] = type(m._buffers)(m._buffers)
-        new.__dict__.update(state)
-        copies[id(m)] = new
-        new.__dict__["_modules"] = type(m._modules)((n, None if c is None else copy_one(c))
-                                                    for n, c in m._modules.items())
-        return new
-
-    out = copy_one(root)
-    for new in copies.values():  # aliases: a plain attribute holding a module of the tree
-        for k, v in list(vars(new).items()):
-            if isinstance(v, torch.nn.Module) and id(v) in copies and k != "_modules":
-                new.__dict__[k] = copies[id(v)]
-    return out
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -103,7 +67,9 @@ def _shared_copy(model) -> torch.nn.Module | Unavailable | str:
         if why:
             return f"its weights are not as stored after unloading: {why}"
     base = model.model
-    copy = share_tree(base, drop=comfy_internals.DYNAMIC_MODULE_STATE)
+    copy = torch_internals.share_module_tree(base, drop=comfy_internals.DYNAMIC_MODULE_STATE)
+    if isinstance(copy, Unavailable):
+        return copy
     for name in comfy_internals.patcher_model_state(base):  # ModelPatcher.__init__ starts these afresh
         copy.__dict__.pop(name, None)
     if not shares_weights(copy, base):

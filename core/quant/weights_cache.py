@@ -9,26 +9,26 @@ Linears are quantized as usual (and saved again). Files are written to a tempora
 several ComfyUI workers can share the folder. Not cached: the 'subclass' layout, models with weight patches (LoRA)
 merged into the quantized Linears, and models that no file identifies (loaded by custom nodes).
 
-Folder (tools/clear_cache.py empties it with the compile cache): `fp8-weights/` inside FluxAccel's cache folder (kernel_cache.default_dir: ComfyUI's user directory, or
-$FLUXACCEL_CACHE_DIR); $FLUXACCEL_FP8_CACHE=0 turns the cache off. A file is about half the size of the quantized
-Linears' bf16 weights (FLUX.1-dev: 11 GiB); the oldest files go once the folder holds more than
-$FLUXACCEL_FP8_CACHE_MAX_GIB (default 64).
+Folder: `fp8-weights/` inside FluxAccel's cache folder (kernel_cache.default_dir: ComfyUI's user directory, or
+$FLUXACCEL_CACHE_DIR; tools/clear_cache.py empties it with the compile cache); $FLUXACCEL_FP8_CACHE=0 turns the cache
+off. A file is about half the size of the quantized Linears' bf16 weights (FLUX.1-dev: 8 GiB); the least recently
+used files go once the folder holds more than $FLUXACCEL_FP8_CACHE_MAX_GIB (default 64).
 """
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata as md
 import json
 import logging
 import os
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..compile.kernel_cache import default_dir
+from ..compile.kernel_cache import default_dir, package_version
 from ..upstream import Unavailable, comfy_internals
 
 log = logging.getLogger("fluxaccel.fp8")
@@ -41,13 +41,6 @@ PARTS = ("weight", "scale")  # biases are read from the model (small; bf16 as lo
 
 def cache_dir() -> Path:
     return default_dir() / "fp8-weights"
-
-
-def _version(pkg: str) -> str:
-    try:
-        return md.version(pkg)
-    except md.PackageNotFoundError:
-        return "none"
 
 
 def source_identity(path: Path) -> dict:
@@ -91,11 +84,11 @@ def entry_for(model, cfg, compute_dtype, patched: list[str]) -> Entry:
         return Entry(None, f"cannot read {source}: {e}")
     return Entry({"format": FORMAT, "source": ident, "fp8": cfg.key(), "compute_dtype": str(compute_dtype),
                   "options": comfy_internals.load_options(model),
-                  "versions": {p: _version(p) for p in ("torch", "torchao", "comfyui-fluxaccel")}})
+                  "versions": {p: package_version(p) for p in ("torch", "torchao", "comfyui-fluxaccel")}})
 
 
 def load(entry: Entry, shapes: dict[str, tuple[int, ...]]) -> dict[str, dict[str, torch.Tensor]] | None:
-    """{linear name: {weight, scale, bias?}} from the entry's file, or None (absent; stale, foreign or corrupt ones
+    """{linear name: {weight, scale}} from the entry's file, or None (absent; stale, foreign or corrupt ones
     with a warning). shapes: each Linear's weight shape, all of which the file must hold."""
     path = entry.path
     if entry.key is None or not path.is_file():
@@ -178,9 +171,8 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str
 
 def _prune(keep: Path) -> None:
     """The least recently used files go while the folder holds more than its bound."""
-    limit = float(os.environ.get(ENV_MAX, "64")) * 1024**3
-    import time
-
+    bound = os.environ.get(ENV_MAX, "64")
+    limit = float(bound) * 1024**3
     for tmp in keep.parent.glob(".*.tmp"):  # a write cut short by a process that ended
         if time.time() - tmp.stat().st_mtime > 86400:
             tmp.unlink(missing_ok=True)
@@ -191,5 +183,4 @@ def _prune(keep: Path) -> None:
             continue
         total -= f.stat().st_size
         f.unlink(missing_ok=True)
-        log.info("FluxAccel: removed the least recently used FP8 weights file %s (folder over %s GiB)", f,
-                 os.environ.get(ENV_MAX, "64"))
+        log.info("FluxAccel: removed the least recently used FP8 weights file %s (folder over %s GiB)", f, bound)

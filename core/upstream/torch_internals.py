@@ -230,3 +230,44 @@ def graph_break_site(e: BaseException) -> str:
         return ""
     f = stack[-1]
     return f"{f.filename}:{f.lineno} in {f.name}"
+
+
+# -- a module tree over the same storage ----------------------------------------------------------------------------
+_TABLES = ("_parameters", "_buffers", "_modules")  # nn.Module's own tables of its parameters, buffers, children
+
+
+def share_module_tree(root: torch.nn.Module, drop: tuple[str, ...] = ()) -> torch.nn.Module | Unavailable:
+    """A copy of `root`'s module tree: new module objects (so moving, patching or casting the copy never touches the
+    original's modules or parameters) whose parameters and buffers hold the original's tensors' storage. Instance
+    attributes named in `drop` are left out (the class's defaults apply); attributes that point at modules of the
+    tree point at their copies. torch has no public way to build a module without running its __init__ (which would
+    allocate every weight): this fills nn.Module's own tables."""
+    bare = next((m for m in root.modules() if not all(isinstance(vars(m).get(t), dict) for t in _TABLES)), None)
+    if bare is not None:
+        return _missing("nn.Module._parameters/_buffers/_modules", f"on a {type(bare).__name__}")
+    copies: dict[int, torch.nn.Module] = {}
+
+    def copy_one(m: torch.nn.Module) -> torch.nn.Module:
+        if id(m) in copies:  # a module used twice stays one module
+            return copies[id(m)]
+        new = type(m).__new__(type(m))
+        state = {k: v for k, v in vars(m).items() if k not in drop}
+        for k, v in state.items():
+            if k.endswith("hooks") and isinstance(v, dict):
+                state[k] = type(v)(v)
+        state["_parameters"] = type(m._parameters)(
+            (n, None if p is None else torch.nn.Parameter(p.data, requires_grad=p.requires_grad))
+            for n, p in m._parameters.items())
+        state["_buffers"] = type(m._buffers)(m._buffers)
+        new.__dict__.update(state)
+        copies[id(m)] = new
+        new.__dict__["_modules"] = type(m._modules)((n, None if c is None else copy_one(c))
+                                                    for n, c in m._modules.items())
+        return new
+
+    out = copy_one(root)
+    for new in copies.values():  # aliases: a plain attribute holding a module of the tree
+        for k, v in list(vars(new).items()):
+            if isinstance(v, torch.nn.Module) and id(v) in copies and k != "_modules":
+                new.__dict__[k] = copies[id(v)]
+    return out

@@ -279,3 +279,17 @@ def test_shapes_are_read_with_comfy_aimdo_on(monkeypatch):
 
     with torch.device("meta"):
         assert comfy.ops.disable_weight_init.Linear(16, 16).weight is None  # what ComfyUI's own op does then
+
+
+def test_share_module_tree_without_modules_tables(tiny_flux):
+    """A torch whose nn.Module keeps its parameters elsewhere: no shared copy (the caller then reloads, and says so)."""
+    dm = tiny_flux.model.diffusion_model
+    copy = torch_internals.share_module_tree(dm)
+    assert copy is not dm and all(a.data_ptr() == b.data_ptr() for a, b in zip(copy.parameters(), dm.parameters()))
+    block = dm.double_blocks[0]
+    buffers = block.__dict__.pop("_buffers")
+    try:
+        missing = torch_internals.share_module_tree(dm)
+        assert isinstance(missing, Unavailable) and "_buffers" in str(missing)
+    finally:
+        block.__dict__["_buffers"] = buffers

@@ -5,7 +5,7 @@ shapes in host memory, for shapes whose weights file does not fit the machine's 
 What it changes against UNETLoader: the weights are process memory (anonymous pages), not comfy-aimdo's mapping of a
 file; ComfyUI's dynamic VRAM streams them the same way. A reload for a resident model (core's TorchCompileModel,
 `clone(disable_dynamic=True)`) cannot read a file: the loader registers one that returns a plain ModelPatcher over the
-same tensors (FluxAccel's share_tree), so core's rows also hold one host copy of the weights.
+same tensors (FluxAccel's share_module_tree), so core's rows also hold one host copy of the weights.
 """
 import sys
 from pathlib import Path
