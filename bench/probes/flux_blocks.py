@@ -275,6 +275,84 @@ def host_diff(dbl, sgl, inputs, base, ref):
             profile(f"fp8 row plain compile, {name}", nog[2], nog[3], inputs)
 
 
+class StaticScale:
+    """Lever probe: FP8 activation scales fixed ahead of the call (calibrated per Linear on eager inputs, per
+    tensor), instead of each call's row-wise absmax: the quantization becomes a pointwise cast that can fuse into its
+    producer without a reduction. Patches the plain layout's forward for the probe's blocks only."""
+
+    def __init__(self, *blocks):
+        from fluxaccel.core.quant.linear import is_fp8_linear
+
+        self.linears = [m for b in blocks for m in b.modules() if is_fp8_linear(m)]
+
+    def calibrate(self, run, margin: float = 1.0):
+        hooks = [m.register_forward_pre_hook(self._observe) for m in self.linears]
+        try:
+            run()
+        finally:
+            for h in hooks:
+                h.remove()
+        for m in self.linears:
+            m.static_act_scale = (m.observed_amax * margin / 448.0).clamp(min=1e-12).float()
+
+    @staticmethod
+    def _observe(mod, args):
+        amax = args[0].detach().abs().amax().float()
+        prev = getattr(mod, "observed_amax", None)
+        mod.observed_amax = amax if prev is None else torch.maximum(prev, amax)
+
+    @contextlib.contextmanager
+    def on(self):
+        from fluxaccel.core.quant import fp8
+
+        def forward(mod, x, *args, **kwargs):
+            ao = fp8.float8_ops()
+            kw = mod.fp8_act_kwargs
+            x_scale = mod.static_act_scale.expand(*x.shape[:-1], 1).contiguous()
+            x_data = ao.quantize(x, x_scale, kw.float8_dtype)
+            a, b = ao.preprocess_data(x_data.reshape(-1, x_data.shape[-1]), mod.weight.t(), mod.fp8_mm_config)
+            out = ao.addmm(a, ao.preprocess_scale(x_scale, x.shape), b, mod.fp8_weight_scale.t(), output_dtype=x.dtype,
+                           bias=mod.bias, use_fast_accum=mod.fp8_mm_config.use_fast_accum)
+            return out.reshape(*x.shape[:-1], mod.weight.shape[0])
+
+        classes = {type(m) for m in self.linears}
+        saved = {c: c.forward for c in classes}
+        try:
+            for c in classes:
+                c.forward = forward
+            yield
+        finally:
+            for c, f in saved.items():
+                c.forward = f
+
+
+def levers(dbl, sgl, inputs, base, ref):
+    """Per-step levers, each an A/B against FluxAccel's default at block level (FP8 per-row plain, cuDNN-first
+    attention override, torch RoPE; no CUDA graphs, as under ComfyUI 0.33's default cudaMallocAsync), with a kernel
+    profile of the default and of each lever that pays."""
+    from fluxaccel.core.compile.attention import OVERRIDE_KEY, sdpa_cudnn_first
+
+    d, s_ = fp8_copy(dbl, "per_row", "plain"), fp8_copy(sgl, "per_row", "plain")
+    wd, ws = _Opts(d, {OVERRIDE_KEY: sdpa_cudnn_first}, True), _Opts(s_, {OVERRIDE_KEY: sdpa_cudnn_first}, True)
+    cur = run_variant("default: fp8 row plain compile", wd, ws, inputs, compile_opts=base, graphs=False, ref=ref)
+    if cur:
+        profile("default: fp8 row plain compile", cur[2], cur[3], inputs)
+    run_variant("coordinate_descent_tuning", wd, ws, inputs, compile_opts={**base, "coordinate_descent_tuning": True},
+                graphs=False, ref=ref)
+    static = StaticScale(d, s_)
+    img, txt, vec, pe, x = inputs
+    with torch.inference_mode():
+        static.calibrate(lambda: (wd(img.clone(), txt.clone(), vec, pe), ws(x.clone(), vec, pe)))
+    with static.on():
+        st = run_variant("static per-tensor activation scales", wd, ws, inputs, compile_opts=base, graphs=False,
+                         ref=ref)
+        if st:
+            profile("static per-tensor activation scales", st[2], st[3], inputs)
+        run_variant("static scales + coordinate_descent_tuning", wd, ws, inputs,
+                    compile_opts={**base, "coordinate_descent_tuning": True}, graphs=False, ref=ref)
+    run_variant("default with CUDA graphs (--disable-cuda-malloc)", wd, ws, inputs, compile_opts=base, ref=ref)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -282,6 +360,9 @@ def main():
     ap.add_argument("--host-diff", action="store_true",
                     help="FP8 per-row plain compiled blocks with the host's own attention, with FluxAccel's cuDNN-first "
                          "override, and with plain-torch RoPE too; a kernel profile of each")
+    ap.add_argument("--levers", action="store_true",
+                    help="per-step levers against the default (coordinate-descent tuning, static activation scales), "
+                         "with kernel profiles")
     ap.add_argument("--layouts", action="store_true",
                     help="only FP8 per-row compile+graphs in the Float8Tensor vs plain layout, and a kernel profile of each")
     a = ap.parse_args()
@@ -290,7 +371,7 @@ def main():
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     emit("env", torch=torch.__version__, gpu=torch.cuda.get_device_name(0),
          cudnn=torch.backends.cudnn.version())
-    if not (a.skip_micro or a.layouts):
+    if not (a.skip_micro or a.layouts or a.levers):
         sdpa_backends()
         gemms()
     dbl, sgl, emb, ids = build_blocks()
@@ -307,6 +388,10 @@ def main():
     base = {"emulate_precision_casts": True}
     eager = run_variant("bf16 eager", dbl, sgl, inputs)
     ref = (eager[0], eager[1]) if eager else None
+    if a.levers:
+        levers(dbl, sgl, inputs, base, ref)
+        table()
+        return
     if a.host_diff:  # ComfyUI 0.33 vs 0.3.75 inside FluxAccel's compiled FLUX (bench/NOTES.md, session 6)
         host_diff(dbl, sgl, inputs, base, ref)
         return
@@ -340,6 +425,10 @@ def main():
     run_variant("fp8 row max-autotune-no-cudagraphs+graphs cudnn", dr, sr, inputs,
                 compile_opts={**base, **torch._inductor.list_mode_options("max-autotune-no-cudagraphs")},
                 attn="cudnn", ref=ref)
+    table()
+
+
+def table():
     print("\n== variants (ms; step estimate = 19 double + 38 single) ==")
     for r in RESULTS:
         if r["kind"] == "variant":

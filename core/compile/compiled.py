@@ -60,7 +60,10 @@ class CompiledFlux(torch.nn.Module):
         self.stats.cache_loaded = cache.load()
         usable, why = available() if self.cfg.warm_start else (False, "warm_start off in the compile config")
         if usable:
-            return cache, Packages(WarmStart(cache.key, cache.dir), self.cfg.inductor_options(self.device))
+            packages = Packages(WarmStart(cache.key, cache.dir), self.cfg.inductor_options(self.device))
+            # a restart: the saved packages load while ComfyUI moves the weights, not at the first model call
+            packages.prefetch(self.cfg.max_shapes, self.device)
+            return cache, packages
         self.stats.warm_start_off = why
         if self.cfg.warm_start:
             self.stats.degrade("warm start", f"{why}; a restarted ComfyUI traces the model again")

@@ -21,6 +21,7 @@ shape compiles again (and its package is rewritten).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import hashlib
 import io
@@ -29,6 +30,7 @@ import logging
 import os
 import pickle
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -36,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..upstream import torch_internals
+from ..upstream import Unavailable, torch_internals
 
 log = logging.getLogger("fluxaccel.cache")
 
@@ -48,6 +50,12 @@ UNUSABLE_FILE = (OSError, ValueError, EOFError, RuntimeError, KeyError, Attribut
                  pickle.UnpicklingError)
 UNWRITABLE = (OSError, RuntimeError, TypeError, ValueError, AttributeError, pickle.PicklingError)
 SUFFIX = ".warm"
+# what torch reads from inductor's config when it loads a package (the rest of the compile's options shaped the saved
+# graph already): a load in the background may only run where these equal the process's config, since a patch of
+# inductor's config is seen by every thread
+LOAD_OPTIONS = ("triton.cudagraphs",)
+# torch's compile and package loading share inductor's caches: FluxAccel runs them one at a time in this process
+TORCH_COMPILE_LOCK = threading.RLock()
 
 # packages this process has "loaded": a loaded one runs without dynamo tracing anything, so dynamo's counters do not
 # see it (with them, they count the compiled graphs a process has made)
@@ -99,7 +107,7 @@ def _no_guards(entries) -> list[bool]:
 def aot_compile(dm: torch.nn.Module, options: dict, args: tuple, kwargs: dict) -> Callable:
     """Trace and compile one call of dm (its class's forward, dm passed as self) ahead of running it."""
     # torch 2.9-2.11: off by default, and read when torch.compile wraps the function (for this call only)
-    with torch_internals.enable_aot_compile():
+    with TORCH_COMPILE_LOCK, torch_internals.enable_aot_compile():
         fn = torch.compile(type(dm).forward, backend="inductor", fullgraph=True, dynamic=False,
                            options={**options, "guard_filter_fn": _no_guards})
         compiled = fn.aot_compile(((dm, *args), kwargs))
@@ -147,6 +155,15 @@ class WarmStart:
     def path(self, sig: str) -> Path:
         return self.dir / f"{self.key}-{sig}{SUFFIX}"
 
+    def signatures(self) -> list[str]:
+        """The call signatures with a package on disk, the most recently used first."""
+        try:
+            found = [(p.stat().st_mtime, p.name[len(self.key) + 1:-len(SUFFIX)])
+                     for p in self.dir.glob(f"{self.key}-*{SUFFIX}")]
+        except OSError:
+            return []
+        return [sig for _, sig in sorted(found, reverse=True)]
+
     def load(self, sig: str, options: dict | None = None) -> Callable | None:
         """The saved compiled call for this signature, or None (with a warning if a file was there but unusable).
         options: the compile's inductor options, in force while loading only: torch wraps the loaded graph in CUDA
@@ -166,10 +183,12 @@ class WarmStart:
             stale = _stale_sources(meta.get("sources") or {})
             if stale:
                 raise ValueError(f"stale: the source of {', '.join(stale)} changed since it was written")
-            with torch_internals.inductor_config_patch(options):
+            with TORCH_COMPILE_LOCK, torch_internals.inductor_config_patch(options):
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload))
             _skip_guard_check(fn)
             counts["loaded"] += 1
+            with contextlib.suppress(OSError):
+                os.utime(path)  # most recently used first, for the next start's background load (signatures())
             log.info("FluxAccel: loaded warm-start package %s in %.2f s (no tracing)", path, time.perf_counter() - t0)
             return fn
         except UNUSABLE_FILE as e:  # never break a run: warn, compile again, and the package is rewritten
@@ -211,6 +230,32 @@ class Packages:
         self.calls: dict[str, Callable | None] = {}
         self.outcome: dict = {}
         self.load_seconds: dict = {}
+        self.pending: dict[str, concurrent.futures.Future] = {}  # packages loading in the background (prefetch)
+
+    def prefetch(self, limit: int, device: torch.device) -> str:
+        """Start loading this model's packages on disk (the `limit` most recently used) in a background thread, so
+        that the load overlaps what ComfyUI does before the first model call (moving the weights to the GPU). The
+        first call of a signature then takes its package from there. Returns what was done, in words."""
+        sigs = [s for s in self.store.signatures() if s not in self.calls][:limit]
+        if not sigs:
+            return "no warm-start package on disk for this model"
+        load_opts = {k: self.options[k] for k in LOAD_OPTIONS if k in self.options}
+        differs = torch_internals.inductor_config_differs(load_opts)
+        if differs or isinstance(differs, Unavailable):  # what differs, or cannot tell
+            why = f"warm-start packages load at the first model call: inductor's {differs} differ from this process's"
+            log.info("FluxAccel: %s", why)
+            return why
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fluxaccel-warm-start")
+        device = torch.device(device)
+
+        def load(sig: str):
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                return self.store.load(sig)
+
+        self.pending = {sig: pool.submit(load, sig) for sig in sigs}
+        pool.shutdown(wait=False)
+        log.info("FluxAccel: loading %d warm-start package(s) in the background", len(sigs))
+        return f"loading {len(sigs)} warm-start package(s) in the background"
 
     def get(self, key, dm: torch.nn.Module, args: tuple, kwargs: dict, loading=None) -> Callable | None:
         """This call's compiled function (dm is passed as its first argument), or None: torch.compile runs it."""
@@ -219,6 +264,7 @@ class Packages:
             sig = signature(args, {**kwargs, "transformer_options": {k: v for k, v in opts.items()
                                                                      if k != "patches_replace"}})
         except NotPackageable as e:
+            self.settle()  # torch.compile traces this call: not while a package loads in the background
             if key not in self.outcome:
                 self.outcome[key] = f"no package ({e})"
                 log.warning("FluxAccel: %s has no warm-start package: %s; it compiles with torch.compile instead, "
@@ -228,10 +274,18 @@ class Packages:
             self.calls[sig] = self._load_or_compile(key, sig, dm, args, kwargs, loading)
         return self.calls[sig]
 
+    def settle(self) -> None:
+        """Wait for the background loads (their outcome is taken by the first call of their signature)."""
+        for fut in list(self.pending.values()):
+            with contextlib.suppress(Exception):
+                fut.result()
+
     def _load_or_compile(self, key, sig: str, dm, args: tuple, kwargs: dict, loading) -> Callable | None:
         t0 = time.perf_counter()
+        early = self.pending.pop(sig, None)
         with loading() if loading is not None else contextlib.nullcontext():
-            fn = self.store.load(sig, self.options)
+            # started by prefetch: wait for it unless it has not begun (then loaded here, as without prefetch)
+            fn = early.result() if early is not None and not early.cancel() else self.store.load(sig, self.options)
         if fn is not None:
             self.outcome[key], self.load_seconds[key] = "loaded", round(time.perf_counter() - t0, 2)
             return fn

@@ -85,6 +85,18 @@ def inductor_config_patch(options: dict | None):
     return cfg.patch(options or {})
 
 
+def inductor_config_differs(options: dict) -> dict | Unavailable:
+    """The options (dotted names) whose value differs from inductor's config in this process now ({} if none)."""
+    differs = {}
+    for name, value in options.items():
+        now = _attr(f"torch._inductor.config.{name}")
+        if isinstance(now, Unavailable):
+            return now
+        if now != value:
+            differs[name] = value
+    return differs
+
+
 def cudagraph_rerecord_limit() -> int | Unavailable:
     v = _attr("torch._inductor.config.triton.cudagraph_unexpected_rerecord_limit")
     return v if isinstance(v, Unavailable) else int(v)

@@ -15,14 +15,19 @@ from conftest import ROOT
 from support.runs import NEW_PROCESS_PRELUDE
 
 SCRIPT = NEW_PROCESS_PRELUDE + textwrap.dedent(r"""
+    from fluxaccel.core.compile import warm_start
     with torch.inference_mode():
         c = CompiledFlux(dm, CompileConfig(), torch.device("cpu"))
+        pending = len(c.runner.packages.pending)
+        c.runner.packages.settle()  # a package on disk is loaded in the background, before the first call
+        loaded_before_call = warm_start.counts["loaded"]
         out = c(x, t, context=ctx, y=y, guidance=gd)
         again = c(x, t * 0.5, context=ctx, y=y, guidance=gd)
     torch.save({{"out": out, "again": again}}, {out!r})
     print("RESULT", json.dumps({{"warm_start": list(c.stats.warm_start.values()),
                                 "traced_frames": counters["stats"]["unique_graphs"],
-                                "calls_captured": counters["stats"]["calls_captured"]}}))
+                                "calls_captured": counters["stats"]["calls_captured"],
+                                "prefetched": [pending, loaded_before_call]}}))
 """)
 
 
@@ -56,8 +61,9 @@ def test_two_workers_compile_at_once_then_a_third_starts_warm(tmp_path):
     files = list(cache.glob("*.warm"))
     assert len(files) == 1 and not list(cache.glob("*.tmp*")), sorted(p.name for p in cache.iterdir())
     rc, log = _result(_start(tmp_path, cache, 3))
-    assert rc == {"warm_start": ["loaded"], "traced_frames": 0, "calls_captured": 0}, rc
-    assert "loaded warm-start package" in log
+    # the third loads it in the background when the compiled model is made (before its first call)
+    assert rc == {"warm_start": ["loaded"], "traced_frames": 0, "calls_captured": 0, "prefetched": [1, 1]}, rc
+    assert "loading 1 warm-start package(s) in the background" in log and "loaded warm-start package" in log
     first, warm = (torch.load(tmp_path / f"out{n}.pt") for n in (1, 3))
     for k in ("out", "again"):
         assert torch.equal(first[k], warm[k]), k
@@ -95,6 +101,27 @@ def test_unusable_packages_are_refused_with_a_warning(tmp_path, caplog, case):
     with caplog.at_level("WARNING", logger="fluxaccel.cache"):
         assert w.load("s" * 16) is None
     assert says in caplog.text and "compiling this shape" in caplog.text, caplog.text
+
+
+def test_background_load_waits_where_inductor_config_differs(tmp_path, caplog):
+    """A package loads in a background thread only where the config torch reads at load time already holds: a patch
+    of inductor's config would be seen by every thread. Otherwise it loads at the first call, as it says."""
+    import torch._inductor.config as ic
+
+    from fluxaccel.core.compile.warm_start import Packages
+
+    w, path, head = _package(tmp_path)
+    packages = Packages(w, {"triton.cudagraphs": False, "emulate_precision_casts": True})
+    assert packages.prefetch(4, torch.device("cpu")) == "no warm-start package on disk for this model"
+    path.write_bytes(head + b"payload")
+    with ic.patch({"triton.cudagraphs": True}), caplog.at_level("INFO", logger="fluxaccel.cache"):
+        said = packages.prefetch(4, torch.device("cpu"))
+    assert not packages.pending and "load at the first model call" in said and "triton.cudagraphs" in said
+    with caplog.at_level("WARNING", logger="fluxaccel.cache"):  # config as the package needs: loaded in the background
+        assert packages.prefetch(4, torch.device("cpu")) == "loading 1 warm-start package(s) in the background"
+        packages.settle()
+    assert list(packages.pending) == ["s" * 16] and packages.pending["s" * 16].result() is None
+    assert "ignoring unusable warm-start package" in caplog.text  # a bad file: warned from the background thread too
 
 
 def test_missing_package_is_silent(tmp_path, caplog):

@@ -204,6 +204,17 @@ def test_compile_facts_missing_say_cannot_tell(monkeypatch, tiny_flux, caplog):
         assert said(caplog, *words), words
 
 
+def test_inductor_config_missing_keeps_package_loads_in_the_first_call(monkeypatch, tmp_path):
+    hide(monkeypatch, "torch._inductor.config.triton.cudagraphs")
+    assert isinstance(torch_internals.inductor_config_differs({"triton.cudagraphs": False}), Unavailable)
+    from fluxaccel.core.compile.warm_start import Packages, WarmStart
+
+    store = WarmStart("k" * 32, tmp_path)
+    store.path("s" * 16).write_bytes(b"x")
+    packages = Packages(store, {"triton.cudagraphs": False})
+    assert "load at the first model call" in packages.prefetch(4, torch.device("cpu")) and not packages.pending
+
+
 def test_aot_compile_missing(monkeypatch, tiny_flux):
     monkeypatch.delattr(torch.compiler, "load_compiled_function")
     from fluxaccel.core.compile import warm_start
