@@ -337,8 +337,6 @@ def levers(dbl, sgl, inputs, base, ref):
     cur = run_variant("default: fp8 row plain compile", wd, ws, inputs, compile_opts=base, graphs=False, ref=ref)
     if cur:
         profile("default: fp8 row plain compile", cur[2], cur[3], inputs)
-    run_variant("coordinate_descent_tuning", wd, ws, inputs, compile_opts={**base, "coordinate_descent_tuning": True},
-                graphs=False, ref=ref)
     static = StaticScale(d, s_)
     img, txt, vec, pe, x = inputs
     with torch.inference_mode():
@@ -348,6 +346,9 @@ def levers(dbl, sgl, inputs, base, ref):
                          ref=ref)
         if st:
             profile("static per-tensor activation scales", st[2], st[3], inputs)
+    run_variant("coordinate_descent_tuning", wd, ws, inputs, compile_opts={**base, "coordinate_descent_tuning": True},
+                graphs=False, ref=ref)
+    with static.on():
         run_variant("static scales + coordinate_descent_tuning", wd, ws, inputs,
                     compile_opts={**base, "coordinate_descent_tuning": True}, graphs=False, ref=ref)
     run_variant("default with CUDA graphs (--disable-cuda-malloc)", wd, ws, inputs, compile_opts=base, ref=ref)
