@@ -10,14 +10,18 @@ import torch
 from ..errors import FluxAccelError
 from ..upstream import torch_internals
 
-MODES: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs", "max-autotune")
+MODES: tuple[str, ...] = ("default", "tuned-kernels", "max-autotune-no-cudagraphs", "max-autotune")
+# FluxAccel's own mode: inductor tunes the block sizes of the Triton kernels it generates (coordinate descent), without
+# max-autotune's GEMM benchmarking. H200, FLUX.1-dev blocks: -2.7 % per step, the first compile several times longer
+# (bench/NOTES.md); the tuned kernels are kept in the compile cache and warm-start packages like any other.
+OWN_MODES: dict[str, dict] = {"tuned-kernels": {"coordinate_descent_tuning": True}}
 POLICIES: tuple[str, ...] = ("strict", "recompile", "eager_fallback")
 
 
 @dataclass(frozen=True)
 class CompileConfig:
     cuda_graphs: bool = True
-    mode: Literal["default", "max-autotune-no-cudagraphs", "max-autotune"] = "default"
+    mode: Literal["default", "tuned-kernels", "max-autotune-no-cudagraphs", "max-autotune"] = "default"
     resolution_policy: Literal["strict", "recompile", "eager_fallback"] = "strict"
     max_shapes: int = 4
     persistent_cache: bool = True
@@ -60,7 +64,9 @@ class CompileConfig:
         switched on or off on top of it. Graphs are CUDA-only: on other devices the option is left off.
         """
         opts = {}
-        if self.mode != "default":
+        if self.mode in OWN_MODES:
+            opts = dict(OWN_MODES[self.mode])
+        elif self.mode != "default":
             opts = torch_internals.mode_options(self.mode)
             if not opts:
                 raise FluxAccelError(f"mode {self.mode!r} cannot be expanded to inductor options here ({opts}); "

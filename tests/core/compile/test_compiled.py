@@ -34,6 +34,9 @@ def test_inductor_options_per_call():
     gpu = CompileConfig(cuda_graphs=True, mode="max-autotune-no-cudagraphs").inductor_options(torch.device("cuda"))
     assert gpu["triton.cudagraphs"] is True and gpu["max_autotune"] is True
     assert CompileConfig(cuda_graphs=False, mode="max-autotune").inductor_options(torch.device("cuda"))["triton.cudagraphs"] is False
+    tuned = CompileConfig(mode="tuned-kernels").inductor_options(torch.device("cuda"))
+    assert tuned == {"coordinate_descent_tuning": True, "triton.cudagraphs": True, "emulate_precision_casts": True}
+    assert "mode tuned-kernels" in CompileConfig(mode="tuned-kernels").summary()
 
 
 def test_compiled_forward_matches_eager_bf16(tiny_flux, counters):

@@ -83,6 +83,7 @@ def test_weight_dtypes_shapes_and_fp8_layouts_are_in_the_cache_key(cpu_fp8):
         "fp8 per_tensor plain": _key(apply_fp8(bf16, Fp8Config("per_tensor", layout="plain"))[0]),
         "fp8 per_row subclass": _key(apply_fp8(bf16, Fp8Config("per_row", layout="subclass"))[0]),
         "another compile mode": _key(bf16, CompileConfig(mode="max-autotune-no-cudagraphs")),
+        "tuned kernels": _key(bf16, CompileConfig(mode="tuned-kernels")),
         "block regions off": _key(bf16, CompileConfig(block_regions=False)),
     }
     assert len(set(keys.values())) == len(keys), keys
