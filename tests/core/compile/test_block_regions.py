@@ -39,6 +39,35 @@ def _subgraph_calls(gm) -> list[str]:
     return [n.args[0].target for n in calls]
 
 
+def _reuses_regions() -> bool:
+    """torch 2.12+ stamps out a nested region's first trace for the next blocks instead of tracing them again."""
+    import importlib
+
+    try:
+        return hasattr(importlib.import_module("torch._dynamo.variables.invoke_subgraph"), "InputFingerprint")
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(not _reuses_regions(), reason="this torch traces every nested compile region again")
+def test_each_block_kind_is_traced_once_with_fluxaccels_attention(fresh_dynamo):
+    """With the options a compiled call passes (FluxAccel's attention override among them), dynamo traces one block
+    of each kind and stamps that trace out for the other 3 + 5: a function among a region's inputs would make it
+    trace all 10 (torch's reuse takes tensors, constants and sourced objects only)."""
+    from fluxaccel.core.compile.options import call_options
+    from support.models import TINY
+
+    dm = build_flux({**TINY, "depth": 4, "depth_single_blocks": 6}).model.diffusion_model
+    inp = flux_inputs(dm)
+    regions = BlockRegions(dm)
+    stamps = dynamo_utils.compilation_time_metrics.setdefault("invoke_subgraph_reuse_stamp_out", [])
+    before = len(stamps)
+    rec = EagerAndRecordGraphs()
+    out = _run(torch.compile(dm, backend=rec, fullgraph=True, dynamic=False), inp, call_options({}, regions))
+    assert len(dynamo_utils.compilation_time_metrics["invoke_subgraph_reuse_stamp_out"]) - before == 3 + 5
+    assert torch.equal(out, _run(dm, inp, call_options({}, regions)))  # eager through the same table
+
+
 def test_eager_with_the_table_is_bit_identical(tiny_flux):
     dm = tiny_flux.model.diffusion_model
     inp = flux_inputs(dm)
