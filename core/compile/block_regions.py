@@ -15,13 +15,15 @@ Two details the region needs:
     them first (inductor folds the copy into the add: same bytes as the in-place add);
   * FLUX.2 and Chroma hand every block its modulation as ModulationOut records whose tensors are slices of one
     tensor (computed once per call, outside the blocks); a region takes no inputs that alias each other, so those
-    slices are copied before the call (a few KB per block; FLUX.1's per-block modulation is computed inside);
+    slices are copied before the call (a few KB per block; FLUX.1's per-block modulation is computed inside), and
+    passed as plain tensors with a constant layout, the records rebuilt inside (see the last point);
   * transformer_options carries block_index (a different constant per block): the region would be specialised
     per block and never reused. Nothing inside a FLUX block reads it (ComfyUI 0.3.75), so it is left out; so is
     our own replacement table;
   * torch 2.12+ traces a region once and stamps that trace out for the next blocks, if its inputs are tensors,
     constants or objects it can guard: FluxAccel's attention override (a function) is therefore put back into the
-    options inside the region instead of passed in (CPU, torch 2.14, 19 + 38 blocks: tracing 13.9 -> 5.2 s).
+    options inside the region instead of passed in, and modulation records are passed as tensors (CPU, torch 2.14,
+    19 + 38 blocks: tracing 13.9 -> 5.2 s).
 """
 from __future__ import annotations
 
@@ -45,33 +47,63 @@ def _region(fn):
 
 
 @_region
-def _double(block, img, txt, vec, pe, attn_mask, transformer_options, own_attention):
-    return block(img=img.clone(), txt=txt.clone(), vec=vec, pe=pe, attn_mask=attn_mask,
+def _double(block, img, txt, vec_layout, vec_tensors, pe, attn_mask, transformer_options, own_attention):
+    return block(img=img.clone(), txt=txt.clone(), vec=_rebuilt(vec_layout, vec_tensors), pe=pe, attn_mask=attn_mask,
                  transformer_options=_with_attention(transformer_options, own_attention))
 
 
 @_region
-def _single(block, img, vec, pe, attn_mask, transformer_options, own_attention):
-    return block(img.clone(), vec=vec, pe=pe, attn_mask=attn_mask,
+def _single(block, img, vec_layout, vec_tensors, pe, attn_mask, transformer_options, own_attention):
+    return block(img.clone(), vec=_rebuilt(vec_layout, vec_tensors), pe=pe, attn_mask=attn_mask,
                  transformer_options=_with_attention(transformer_options, own_attention))
 
 
 def _with_attention(options: dict, own_attention: bool) -> dict:
-    """FluxAccel's attention override is put back inside the region rather than passed in: a function among a
-    region's inputs makes torch (2.12+) trace every block again instead of reusing the first block's trace."""
+    """FluxAccel's attention override is put back inside the region rather than passed in (see the module's notes)."""
     return {**options, OVERRIDE_KEY: sdpa_cudnn_first} if own_attention else options
 
 
-def _unaliased(vec):
-    """vec as the region takes it: FLUX.1's tensor as it is; FLUX.2's and Chroma's modulation records (slices of one
-    tensor) copied."""
+_RECORDS: dict[str, type] = {}  # the modulation record classes met, by name (a region rebuilds them from the name)
+
+
+def _flat(vec, nested: bool = False) -> tuple:
+    """(layout, tensors): vec as constants and tensors only, which torch can reuse a region's trace for. FLUX.1's
+    vector as it is; FLUX.2's and Chroma's modulation records (slices of one tensor, which a region may not take as
+    aliasing inputs) as copies of their tensors."""
     if isinstance(vec, torch.Tensor):
-        return vec
+        return "tensor", (vec.clone() if nested else vec,)
+    if vec is None:
+        return "none", ()
     if isinstance(vec, (tuple, list)):
-        return type(vec)(_unaliased(v) if not isinstance(v, torch.Tensor) else v.clone() for v in vec)
+        parts = [_flat(v, nested=True) for v in vec]
+        return (type(vec).__name__, tuple(p[0] for p in parts)), tuple(t for p in parts for t in p[1])
     if dataclasses.is_dataclass(vec):
-        return dataclasses.replace(vec, **{f.name: getattr(vec, f.name).clone() for f in dataclasses.fields(vec)})
-    return vec
+        name = f"{type(vec).__module__}.{type(vec).__qualname__}"
+        _RECORDS[name] = type(vec)
+        fields = tuple(f.name for f in dataclasses.fields(vec))
+        return ("record", name, fields), tuple(getattr(vec, f).clone() for f in fields)
+    raise TypeError(f"block_regions: a FLUX block's vec of type {type(vec).__name__} is not known")
+
+
+def _rebuilt(layout, tensors: tuple):
+    """_flat's inverse (inside the region)."""
+    return _take(layout, tensors, 0)[0]
+
+
+def _take(layout, tensors: tuple, i: int):
+    if layout == "tensor":
+        return tensors[i], i + 1
+    if layout == "none":
+        return None, i
+    if layout[0] == "record":
+        _, name, fields = layout
+        return _RECORDS[name](**dict(zip(fields, tensors[i:i + len(fields)]))), i + len(fields)
+    kind, parts = layout
+    items = []
+    for part in parts:
+        item, i = _take(part, tensors, i)
+        items.append(item)
+    return (list(items) if kind == "list" else tuple(items)), i
 
 
 def _shared_options(options: dict | None) -> tuple[dict, bool]:
@@ -85,7 +117,7 @@ def _shared_options(options: dict | None) -> tuple[dict, bool]:
 
 def _double_replacement(block):
     def replace(args, extra):
-        img, txt = _double(block, args["img"], args["txt"], _unaliased(args["vec"]), args["pe"], args.get("attn_mask"),
+        img, txt = _double(block, args["img"], args["txt"], *_flat(args["vec"]), args["pe"], args.get("attn_mask"),
                            *_shared_options(args.get("transformer_options")))
         return {"img": img, "txt": txt}
 
@@ -94,7 +126,7 @@ def _double_replacement(block):
 
 def _single_replacement(block):
     def replace(args, extra):
-        img = _single(block, args["img"], _unaliased(args["vec"]), args["pe"], args.get("attn_mask"),
+        img = _single(block, args["img"], *_flat(args["vec"]), args["pe"], args.get("attn_mask"),
                       *_shared_options(args.get("transformer_options")))
         return {"img": img}
 

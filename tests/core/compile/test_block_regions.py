@@ -68,6 +68,27 @@ def test_each_block_kind_is_traced_once_with_fluxaccels_attention(fresh_dynamo):
     assert torch.equal(out, _run(dm, inp, call_options({}, regions)))  # eager through the same table
 
 
+@pytest.mark.skipif(not _reuses_regions(), reason="this torch traces every nested compile region again")
+@pytest.mark.parametrize("arch", ["flux2", "chroma"])
+def test_modulation_records_do_not_stop_the_trace_reuse(arch, fresh_dynamo):
+    """FLUX.2 and Chroma hand each block modulation records (dataclasses over slices of one tensor): they reach the
+    region as tensors with a constant layout, so 2 + 3 of the 3 + 4 blocks are stamped out, and the compiled output
+    equals eager (float32)."""
+    from support.shapes import TINY_CHROMA, TINY_FLUX2
+
+    shape = {"flux2": TINY_FLUX2, "chroma": TINY_CHROMA}[arch]
+    model = build_flux({**shape, "depth": 3, "depth_single_blocks": 4}, dtype=torch.float32)
+    hw = 8 if arch == "flux2" else 16
+    ref = _denoise_once(model, hw=hw)
+    stamps = dynamo_utils.compilation_time_metrics.setdefault("invoke_subgraph_reuse_stamp_out", [])
+    before = len(stamps)
+    compiled_model, _ = apply_compile(model, CompileConfig(cuda_graphs=False, warm_start=False,
+                                                           persistent_cache=False))
+    out = _denoise_once(compiled_model, hw=hw)
+    assert len(dynamo_utils.compilation_time_metrics["invoke_subgraph_reuse_stamp_out"]) - before == 2 + 3
+    assert rel_err(out, ref) < 1e-4
+
+
 def test_eager_with_the_table_is_bit_identical(tiny_flux):
     dm = tiny_flux.model.diffusion_model
     inp = flux_inputs(dm)
