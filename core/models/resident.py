@@ -56,7 +56,7 @@ RELOAD = ("FluxAccel uses ComfyUI's non-dynamic delegate: the checkpoint is load
           "its weights)")
 
 
-def _shared_copy(model) -> torch.nn.Module | Unavailable | str:
+def shared_copy(model) -> torch.nn.Module | Unavailable | str:
     """The BaseModel's resident copy over the same storage, or why it cannot be made."""
     why = _unpatched(model)
     if why:  # loaded for another branch: ComfyUI's own unload restores the stored weights
@@ -89,7 +89,7 @@ def resident(model, node: str):
         return model
     kept = comfy_internals.kept_delegate(model)
     if kept is None:  # not built yet: share the dynamic model's weights
-        copy = _shared_copy(model)
+        copy = shared_copy(model)
         kept = comfy_internals.keep_delegate(model, copy) if isinstance(copy, torch.nn.Module) else copy
     if isinstance(kept, Unavailable):
         say(kept, RELOAD)

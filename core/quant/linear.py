@@ -10,6 +10,7 @@ import torch
 
 from ..env import require_torchao
 from ..errors import FluxAccelError
+from ..upstream import Unavailable, say, torch_internals
 from ..upstream.torchao_internals import map_float8_data
 from .fp8 import Fp8Config, float8_ops, fp8_linear, is_fp8_weight
 
@@ -109,13 +110,10 @@ def detached_copy(linear: torch.nn.Linear, device: torch.device, compute_dtype=N
     float32 on the CPU). The FP8 GEMM returns the activation dtype itself, so the copy must not be cast per
     call: its bias is stored in the compute dtype and ComfyUI's per-call weight cast is turned off.
     """
-    new = copy.copy(linear)
-    new._parameters = dict(linear._parameters)
-    new._buffers = dict(linear._buffers)
-    new._modules = dict(linear._modules)
-    for attr, value in vars(linear).items():  # hook registries (_forward_hooks, ...): the copy's own
-        if attr.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) and isinstance(value, dict):
-            setattr(new, attr, type(value)(value))
+    new = torch_internals.module_shallow_copy(linear)
+    if isinstance(new, Unavailable):
+        say(new, "Quantize FP8 copies each Linear whole (its weights too) before quantizing: more memory while it runs")
+        new = copy.deepcopy(linear)
     for attr in ("weight_function", "bias_function"):
         if hasattr(linear, attr):
             setattr(new, attr, list(getattr(linear, attr)))

@@ -248,6 +248,19 @@ def graph_break_site(e: BaseException) -> str:
 _TABLES = ("_parameters", "_buffers", "_modules")  # nn.Module's own tables of its parameters, buffers, children
 
 
+def module_shallow_copy(m: torch.nn.Module) -> torch.nn.Module | Unavailable:
+    """A new module object of m's class holding m's parameters, buffers and children in tables of its own (adding,
+    removing or replacing one on the copy leaves m as it was), with hook registries of its own too."""
+    if not all(isinstance(vars(m).get(t), dict) for t in _TABLES):
+        return _missing("nn.Module._parameters/_buffers/_modules", f"on a {type(m).__name__}")
+    new = type(m).__new__(type(m))
+    new.__dict__.update(vars(m))
+    for k, v in vars(m).items():  # the tables and hook registries (_forward_hooks, ...): the copy's own
+        if k in _TABLES or (k.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) and isinstance(v, dict)):
+            new.__dict__[k] = type(v)(v)
+    return new
+
+
 def share_module_tree(root: torch.nn.Module, drop: tuple[str, ...] = ()) -> torch.nn.Module | Unavailable:
     """A copy of `root`'s module tree: new module objects (so moving, patching or casting the copy never touches the
     original's modules or parameters) whose parameters and buffers hold the original's tensors' storage. Instance

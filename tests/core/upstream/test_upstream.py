@@ -292,6 +292,30 @@ def test_shapes_are_read_with_comfy_aimdo_on(monkeypatch):
         assert comfy.ops.disable_weight_init.Linear(16, 16).weight is None  # what ComfyUI's own op does then
 
 
+def test_linear_copy_without_modules_tables(monkeypatch, caplog):
+    """Quantize FP8's per-Linear copy on a torch whose nn.Module keeps its tables elsewhere: a whole copy instead,
+    said once; with the tables, a copy of its own tables sharing the weight."""
+    import copy
+
+    from fluxaccel.core.quant.linear import detached_copy
+
+    lin = torch.nn.Linear(4, 4)
+    shallow = torch_internals.module_shallow_copy(lin)
+    shallow.register_buffer("extra", torch.zeros(1))
+    assert shallow.weight is lin.weight and "extra" not in lin._buffers
+    buffers = lin.__dict__.pop("_buffers")
+    try:
+        assert isinstance(torch_internals.module_shallow_copy(lin), Unavailable)
+    finally:
+        lin.__dict__["_buffers"] = buffers
+    real, whole = copy.deepcopy, []
+    monkeypatch.setattr(torch_internals, "module_shallow_copy", lambda m: torch_internals._missing("nn.Module._buffers"))
+    monkeypatch.setattr(copy, "deepcopy", lambda m, *a: whole.append(m) or real(m, *a))
+    new = detached_copy(lin, torch.device("cpu"))
+    assert whole == [lin] and torch.equal(new.weight, lin.weight) and new.weight is not lin.weight
+    assert said(caplog, "nn.Module._buffers", "copies each Linear whole")
+
+
 def test_share_module_tree_without_modules_tables(tiny_flux):
     """A torch whose nn.Module keeps its parameters elsewhere: no shared copy (the caller then reloads, and says so)."""
     dm = tiny_flux.model.diffusion_model

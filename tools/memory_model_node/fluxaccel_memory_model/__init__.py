@@ -35,7 +35,7 @@ def _resident_reload(shape: str, seed: int, weight_dtype: str = "default", disab
         return comfy.sd.load_diffusion_model_state_dict(dict(_WEIGHTS[(shape, seed)]), dict(WEIGHT_DTYPES[weight_dtype]),
                                                         disable_dynamic=disable_dynamic)
     dyn = _BUILT[(shape, seed, weight_dtype)]
-    copy = resident._shared_copy(dyn)
+    copy = resident.shared_copy(dyn)
     if not isinstance(copy, torch.nn.Module):
         raise RuntimeError(f"cannot share the in-memory weights: {copy}")
     return comfy.model_patcher.ModelPatcher(copy, load_device=dyn.load_device, offload_device=dyn.offload_device)
