@@ -275,16 +275,11 @@ def share_module_tree(root: torch.nn.Module, drop: tuple[str, ...] = ()) -> torc
     def copy_one(m: torch.nn.Module) -> torch.nn.Module:
         if id(m) in copies:  # a module used twice stays one module
             return copies[id(m)]
-        new = type(m).__new__(type(m))
-        state = {k: v for k, v in vars(m).items() if k not in drop}
-        for k, v in state.items():
-            if k.endswith("hooks") and isinstance(v, dict):
-                state[k] = type(v)(v)
-        state["_parameters"] = type(m._parameters)(
-            (n, None if p is None else torch.nn.Parameter(p.data, requires_grad=p.requires_grad))
-            for n, p in m._parameters.items())
-        state["_buffers"] = type(m._buffers)(m._buffers)
-        new.__dict__.update(state)
+        new = module_shallow_copy(m)
+        for k in drop:
+            new.__dict__.pop(k, None)
+        for n, p in m._parameters.items():  # new Parameter objects over the same storage
+            new._parameters[n] = None if p is None else torch.nn.Parameter(p.data, requires_grad=p.requires_grad)
         copies[id(m)] = new
         new.__dict__["_modules"] = type(m._modules)((n, None if c is None else copy_one(c))
                                                     for n, c in m._modules.items())
