@@ -156,7 +156,7 @@ class WarmStart:
         return self.dir / f"{self.key}-{sig}{SUFFIX}"
 
     def signatures(self) -> list[str]:
-        """The call signatures with a package on disk, the most recently used first."""
+        """The call signatures with a package on disk, the newest first (a load leaves the files as they are)."""
         try:
             found = [(p.stat().st_mtime, p.name[len(self.key) + 1:-len(SUFFIX)])
                      for p in self.dir.glob(f"{self.key}-*{SUFFIX}")]
@@ -187,8 +187,6 @@ class WarmStart:
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload))
             _skip_guard_check(fn)
             counts["loaded"] += 1
-            with contextlib.suppress(OSError):
-                os.utime(path)  # most recently used first, for the next start's background load (signatures())
             log.info("FluxAccel: loaded warm-start package %s in %.2f s (no tracing)", path, time.perf_counter() - t0)
             return fn
         except UNUSABLE_FILE as e:  # never break a run: warn, compile again, and the package is rewritten
@@ -233,7 +231,7 @@ class Packages:
         self.pending: dict[str, concurrent.futures.Future] = {}  # packages loading in the background (prefetch)
 
     def prefetch(self, limit: int, device: torch.device) -> str:
-        """Start loading this model's packages on disk (the `limit` most recently used) in a background thread, so
+        """Start loading this model's packages on disk (the `limit` newest) in a background thread, so
         that the load overlaps what ComfyUI does before the first model call (moving the weights to the GPU). The
         first call of a signature then takes its package from there. Returns what was done, in words."""
         sigs = [s for s in self.store.signatures() if s not in self.calls][:limit]
