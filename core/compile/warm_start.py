@@ -57,8 +57,9 @@ LOAD_OPTIONS = ("triton.cudagraphs",)
 # torch's compile and package loading share inductor's caches: FluxAccel runs them one at a time in this process
 TORCH_COMPILE_LOCK = threading.RLock()
 
-# packages this process has "loaded": a loaded one runs without dynamo tracing anything, so dynamo's counters do not
-# see it (with them, they count the compiled graphs a process has made)
+# packages this process has "loaded" for its calls (taken into use; one loaded in the background and never called is
+# not counted): a loaded one runs without dynamo tracing anything, so dynamo's counters do not see it (with them,
+# they count the compiled graphs a process has made)
 counts: collections.Counter = collections.Counter()
 
 
@@ -186,7 +187,6 @@ class WarmStart:
             with TORCH_COMPILE_LOCK, torch_internals.inductor_config_patch(options):
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload))
             _skip_guard_check(fn)
-            counts["loaded"] += 1
             log.info("FluxAccel: loaded warm-start package %s in %.2f s (no tracing)", path, time.perf_counter() - t0)
             return fn
         except UNUSABLE_FILE as e:  # never break a run: warn, compile again, and the package is rewritten
@@ -285,6 +285,7 @@ class Packages:
             # started by prefetch: wait for it unless it has not begun (then loaded here, as without prefetch)
             fn = early.result() if early is not None and not early.cancel() else self.store.load(sig, self.options)
         if fn is not None:
+            counts["loaded"] += 1
             self.outcome[key], self.load_seconds[key] = "loaded", round(time.perf_counter() - t0, 2)
             return fn
         breaks = torch_internals.graph_break_error()
