@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -68,9 +69,13 @@ def _progress_text(frame: bytes) -> dict | None:
 class ComfyServer:
     def __init__(self, comfy_dir: Path, workdir: Path, models_dir: Path, extra_args: tuple[str, ...] = (),
                  env: dict | None = None, port: int | None = None, cpu_fp8: bool = False,
-                 memory_model: bool = False):
+                 memory_model: bool = False, timestamps: bool = False):
         """cpu_fp8: the server also loads tools/cpu_fp8_node (lifts torchao's FP8 gate for a CPU test or demo);
-        memory_model: tools/memory_model_node (random-weight FLUX models built in host memory, no file)."""
+        memory_model: tools/memory_model_node (random-weight FLUX models built in host memory, no file);
+        timestamps: each line of the log starts with the seconds since the server started (ComfyUI's own lines carry
+        none): where a first prompt's time goes. The lines then reach the file through a thread of this process,
+        a moment after ComfyUI prints them, so read the log once the server stopped."""
+        self.timestamps = timestamps
         self.comfy_dir, self.workdir, self.models_dir = Path(comfy_dir), Path(workdir), Path(models_dir)
         self.cpu_fp8, self.memory_model = cpu_fp8, memory_model
         self.extra_args, self.env = list(extra_args), env
@@ -105,8 +110,11 @@ class ComfyServer:
                 env.setdefault(k, v)
         log.info("starting ComfyUI: %s", " ".join(cmd))
         self._logf = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, cwd=self.comfy_dir, stdout=self._logf, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(cmd, cwd=self.comfy_dir, stdout=subprocess.PIPE if self.timestamps else self._logf,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        if self.timestamps:
+            self._pump = threading.Thread(target=self._stamp_lines, args=(time.time(),), name="comfyui-log", daemon=True)
+            self._pump.start()
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -127,8 +135,15 @@ class ComfyServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        if getattr(self, "_pump", None):
+            self._pump.join(10)
         if getattr(self, "_logf", None):
             self._logf.close()
+
+    def _stamp_lines(self, t0: float) -> None:
+        for line in iter(self.proc.stdout.readline, b""):
+            self._logf.write(b"%9.3f " % (time.time() - t0) + line)
+            self._logf.flush()
 
     def __enter__(self):
         return self.start()

@@ -152,7 +152,7 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
 
     with tempfile.TemporaryDirectory(prefix="fluxaccel-first-") as work:
         server = ComfyServer(comfy_dir, Path(work), Path(a.models_dir), tuple(server_args), cpu_fp8=meta["gpu"] == "cpu",
-                             memory_model=a.in_memory)
+                             memory_model=a.in_memory, timestamps=True)
         try:
             server.start()
             for config in a.configs:

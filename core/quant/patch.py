@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -317,8 +318,9 @@ def _quantize_chosen(model, clone, originals: dict, chosen: list[str], cfg: Fp8C
     entry = (weights_cache.Entry(None, "the checkpoint is already quantized")
              if any(is_checkpoint_quantized(originals[n].weight) for n in chosen)
              else weights_cache.entry_for(model, cfg, compute_dtype, patched))
-    stored = weights_cache.load(entry, {n: tuple(originals[n].weight.shape) for n in chosen})
     home = _fp8_home(model, device, sum(originals[n].weight.numel() for n in chosen), report)
+    t0 = time.perf_counter()
+    stored = weights_cache.load(entry, {n: tuple(originals[n].weight.shape) for n in chosen}, home)
     keys = [_quantize_one(model, clone, originals[chosen[0]], chosen[0], cfg, device, compute_dtype, report, merged,
                           home)]
     like = clone.object_patches[keys[0]]
@@ -331,7 +333,8 @@ def _quantize_chosen(model, clone, originals: dict, chosen: list[str], cfg: Fp8C
                                  home) if stored is not None else
                     _quantize_one(model, clone, originals[name], name, cfg, device, compute_dtype, report, merged, home))
     if stored is not None:
-        report.weights_cache = f"loaded {len(chosen) - 1} Linears from {entry.path} (the first quantized and checked)"
+        report.weights_cache = (f"loaded {len(chosen) - 1} Linears from {entry.path} to {home} in "
+                                f"{time.perf_counter() - t0:.2f} s (the first quantized and checked)")
     elif entry.key is not None:
         weights_cache.save(entry, {n: {"weight": clone.object_patches[k].weight,
                                        "scale": clone.object_patches[k].fp8_weight_scale} for n, k in zip(chosen, keys)})

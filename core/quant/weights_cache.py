@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..compile.kernel_cache import default_dir, package_version
-from ..upstream import Unavailable, comfy_internals
+from ..upstream import Unavailable, comfy_internals, say, torch_internals
 
 log = logging.getLogger("fluxaccel.fp8")
 
@@ -87,31 +87,125 @@ def entry_for(model, cfg, compute_dtype, patched: list[str]) -> Entry:
                   "versions": {p: package_version(p) for p in ("torch", "torchao", "comfyui-fluxaccel")}})
 
 
-def load(entry: Entry, shapes: dict[str, tuple[int, ...]]) -> dict[str, dict[str, torch.Tensor]] | None:
-    """{linear name: {weight, scale}} from the entry's file, or None (absent; stale, foreign or corrupt ones
-    with a warning). shapes: each Linear's weight shape, all of which the file must hold."""
+def load(entry: Entry, shapes: dict[str, tuple[int, ...]], device: torch.device | str = "cpu"
+         ) -> dict[str, dict[str, torch.Tensor]] | None:
+    """{linear name: {weight, scale}} from the entry's file, on `device`, or None (absent; stale, foreign or corrupt
+    ones with a warning). shapes: each Linear's weight shape, all of which the file must hold. The tensors are read
+    straight into memory of their own on `device` (read_tensors): no host copy of them is kept."""
     path = entry.path
     if entry.key is None or not path.is_file():
         return None
-    from safetensors import safe_open
-
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            if json.loads((f.metadata() or {}).get("key", "null")) != entry.key:
-                raise ValueError("its key is not this model's (a foreign or stale file)")
-            names = set(f.keys())
-            out = {}
-            for name, shape in shapes.items():
-                parts = {p: f.get_tensor(f"{name}.{p}") for p in PARTS if f"{name}.{p}" in names}
-                if "weight" not in parts or "scale" not in parts or tuple(parts["weight"].shape) != tuple(shape):
-                    raise ValueError(f"it does not hold {name} as {tuple(shape)}")
-                out[name] = parts
+        header, start = _header(path)
+        if json.loads((header.pop("__metadata__", None) or {}).get("key", "null")) != entry.key:
+            raise ValueError("its key is not this model's (a foreign or stale file)")
+        for name, shape in shapes.items():
+            if any(f"{name}.{p}" not in header for p in PARTS) or tuple(header[f"{name}.weight"]["shape"]) != tuple(shape):
+                raise ValueError(f"it does not hold {name} as {tuple(shape)}")
+        size = max((h["data_offsets"][1] for h in header.values()), default=0)
+        if path.stat().st_size < start + size:
+            raise ValueError(f"it is cut short ({path.stat().st_size} bytes, its header names {start + size})")
+        tensors = read_tensors(path, start, {f"{n}.{p}": header[f"{n}.{p}"] for n in shapes for p in PARTS},
+                               torch.device(device))
+        out = {name: {p: tensors[f"{name}.{p}"] for p in PARTS} for name in shapes}
     except Exception as e:  # noqa: BLE001 -- any unreadable file (truncated, foreign, other format) is only skipped
         log.warning("FluxAccel: ignoring the FP8 weights cache file %s (%s: %s); quantizing instead", path,
                     type(e).__name__, e)
         return None
     os.utime(path)  # recently used: pruned last
     return out
+
+
+def _header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header and where its data starts."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        if n > 100 << 20:
+            raise ValueError(f"its header claims {n} bytes")
+        return json.loads(f.read(n)), 8 + n
+
+
+READERS, CHUNK = 4, 64 << 20  # reading threads, and the bytes each reads and copies at a time
+
+
+def read_tensors(path: Path, start: int, specs: dict[str, dict], device: torch.device, readers: int = READERS,
+                 chunk: int = CHUNK) -> dict[str, torch.Tensor]:
+    """The tensors a safetensors header names (specs: name -> its header entry; start: where the data begins), each
+    in memory of its own on `device`. Several threads each read their part of the file in chunks into a buffer of
+    their own and copy each chunk into the tensors it holds: the reads (page cache or disk) run side by side, and on a
+    GPU each buffer is page-locked, so the copies run at the bus's speed (the GIL is free while both run)."""
+    dtypes = {v: k for k, v in _DTYPES.items()}
+    out, spans = {}, []
+    for name, h in specs.items():
+        lo, hi = h["data_offsets"]
+        t = torch.empty(h["shape"], dtype=dtypes[h["dtype"]], device=device)
+        if hi - lo != t.numel() * t.element_size():
+            raise ValueError(f"{name} is {hi - lo} bytes, {h['dtype']}{h['shape']} needs {t.numel() * t.element_size()}")
+        out[name] = t
+        spans.append((lo, hi, t.view(-1).view(torch.uint8)))
+    spans.sort(key=lambda s: s[0])
+    if not spans:
+        return out
+    begin, end = spans[0][0], max(s[1] for s in spans)
+    step = -(-(end - begin) // max(1, readers))
+    parts = [(lo, min(lo + step, end)) for lo in range(begin, end, step)]
+    errors: list[BaseException] = []
+    inference = torch.is_inference_mode_enabled()  # thread-local: the readers take the caller's
+
+    def work(lo: int, hi: int) -> None:
+        try:
+            with torch.inference_mode(inference):
+                _read_part(path, start, lo, hi, spans, device, chunk)
+        except BaseException as e:  # noqa: BLE001 -- raised again below, in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=p, name="fluxaccel-fp8-read", daemon=True) for p in parts[1:]]
+    for t in threads:
+        t.start()
+    work(*parts[0])
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _read_part(path: Path, start: int, lo: int, hi: int, spans: list, device: torch.device, chunk: int) -> None:
+    """One reader's part [lo, hi) of the data, chunk by chunk, into the tensors each chunk holds."""
+    buf = torch.empty(min(chunk, hi - lo), dtype=torch.uint8)
+    locked = device.type == "cuda" and _pinned(buf)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            view = memoryview(buf.numpy())
+            for pos in range(lo, hi, chunk):
+                n = min(chunk, hi - pos)
+                _read_at(f.fileno(), view[:n], start + pos)
+                for a, b, dest in spans:  # each tensor's bytes in this chunk (synchronous copies: the buffer is
+                    x, y = max(a, pos), min(b, pos + n)  # free again after them)
+                    if x < y:
+                        dest[x - a:y - a].copy_(buf[x - pos:y - pos])
+    finally:
+        if locked:
+            torch_internals.unpin_host(buf)
+
+
+def _read_at(fd: int, into: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(into):  # a read may return less than asked
+        got = os.preadv(fd, [into[done:]], offset + done)
+        if got <= 0:
+            raise EOFError(f"the file ends at {offset + done}, {len(into) - done} bytes early")
+        done += got
+
+
+def _pinned(buf: torch.Tensor) -> bool:
+    ok = torch_internals.pin_host(buf)
+    if isinstance(ok, Unavailable):
+        say(ok, "the FP8 weights cache is copied to the GPU from pageable memory (slower)", logging.INFO)
+    elif not ok:
+        say(Unavailable("CUDA", torch.version.cuda or "?", "page-locked buffer", "cudaHostRegister refused"),
+            "the FP8 weights cache is copied to the GPU from pageable memory (slower)", logging.INFO)
+    return ok is True
 
 
 def is_ours(path: Path) -> bool:

@@ -291,3 +291,22 @@ def share_module_tree(root: torch.nn.Module, drop: tuple[str, ...] = ()) -> torc
             if isinstance(v, torch.nn.Module) and id(v) in copies and k != "_modules":
                 new.__dict__[k] = copies[id(v)]
     return out
+
+
+# -- page-locked host buffers ---------------------------------------------------------------------------------------
+def pin_host(t: torch.Tensor) -> bool | Unavailable:
+    """Page-lock a CPU tensor's memory (CUDA's cudaHostRegister, as ComfyUI pins its own buffers), so that copies
+    from it to the GPU run at the bus's speed; False where CUDA refuses. unpin_host releases it."""
+    fn = _attr("torch.cuda.cudart")
+    try:
+        register = fn().cudaHostRegister if callable(fn) else None
+    except Exception as e:  # noqa: BLE001 -- no CUDA runtime in this build
+        return _missing("torch.cuda.cudart().cudaHostRegister", f"{type(e).__name__}: {e}")
+    if register is None:
+        return fn if isinstance(fn, Unavailable) else _missing("torch.cuda.cudart().cudaHostRegister")
+    return int(register(t.data_ptr(), t.numel() * t.element_size(), 0)) == 0
+
+
+def unpin_host(t: torch.Tensor) -> None:
+    """Release what pin_host locked."""
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())

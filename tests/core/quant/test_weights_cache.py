@@ -150,3 +150,46 @@ def test_the_oldest_files_go_over_the_bound(cpu_fp8, cache, tiny_file, monkeypat
     apply_fp8(load(tiny_file), Fp8Config(granularity="per_tensor"))
     weights_cache.wait()
     assert len(list(cache.glob("*.safetensors"))) == 1
+
+
+@pytest.mark.parametrize("readers,chunk", [(1, 1 << 20), (3, 40), (4, 7)])
+def test_read_tensors_gives_what_safetensors_reads(tmp_path, readers, chunk):
+    """Tensors straddling chunks and readers' parts, of several dtypes and odd sizes: each equal to what safetensors
+    reads, in memory of its own (a partial unload can free each)."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a.weight": torch.randn(13, 7, generator=g).to(torch.float8_e4m3fn),
+               "a.scale": torch.rand(13, 1, generator=g), "b.weight": torch.randn(5, 3, generator=g).bfloat16(),
+               "b.scale": torch.rand((), generator=g), "c.weight": torch.randn(64, 33, generator=g).to(torch.float8_e4m3fn)}
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, str(path))
+    header, start = weights_cache._header(path)
+    header.pop("__metadata__", None)
+    got = weights_cache.read_tensors(path, start, header, torch.device("cpu"), readers=readers, chunk=chunk)
+    ref = load_file(str(path))
+    assert set(got) == set(ref)
+    for k, t in got.items():
+        assert t.dtype == ref[k].dtype and t.shape == ref[k].shape
+        assert torch.equal(t.reshape(-1).view(torch.uint8), ref[k].reshape(-1).view(torch.uint8)), k
+    assert len({t.untyped_storage().data_ptr() for t in got.values()}) == len(got)
+
+
+def test_read_tensors_says_a_file_cut_short(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "t.safetensors"
+    save_file({"w": torch.ones(1000)}, str(path))
+    header, start = weights_cache._header(path)
+    header.pop("__metadata__", None)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(EOFError, match="100 bytes early"):
+        weights_cache.read_tensors(path, start, header, torch.device("cpu"), readers=2, chunk=256)
+
+
+def test_loaded_weights_are_read_in_inference_mode_as_comfyui_runs_nodes(cpu_fp8, cache, tiny_file):
+    apply_fp8(load(tiny_file), Fp8Config())
+    weights_cache.wait()
+    with torch.inference_mode():
+        model, report = apply_fp8(load(tiny_file), Fp8Config())
+    assert report.weights_cache.startswith("loaded") and " in " in report.weights_cache

@@ -328,3 +328,12 @@ def test_share_module_tree_without_modules_tables(tiny_flux):
         assert isinstance(missing, Unavailable) and "_buffers" in str(missing)
     finally:
         block.__dict__["_buffers"] = buffers
+
+
+def test_pin_host_missing_says_so(monkeypatch):
+    buf = torch.empty(16, dtype=torch.uint8)
+    hide(monkeypatch, "torch.cuda.cudart")
+    assert isinstance(torch_internals.pin_host(buf), Unavailable)
+    monkeypatch.undo()
+    if not torch.cuda.is_available():  # a CPU build: no CUDA runtime to lock pages with, said as such
+        assert isinstance(torch_internals.pin_host(buf), Unavailable)
