@@ -25,6 +25,9 @@ register()
 T0 = time.time()
 BUDGET_S = float(os.environ.get("PROBE_BUDGET_S", "480"))
 RESULTS: list[dict] = []
+BLOCKS = (19, 38)  # double, single blocks of the model a step is estimated for (FLUX.1)
+DEV = "cuda"
+TAG = ""  # a prefix for variant names (the model shape, where not FLUX.1-dev)
 OUT_DIR: Path | None = None
 
 
@@ -74,20 +77,27 @@ def sdpa_backends():
             emit("sdpa", backend=name, error=f"{type(e).__name__}: {e}"[:300])
 
 
-GEMMS = {  # name: (M, K, N, count per step)
-    "dbl.img.qkv": (4096, 3072, 9216, 19), "dbl.img.proj": (4096, 3072, 3072, 19),
-    "dbl.img.mlp0": (4096, 3072, 12288, 19), "dbl.img.mlp2": (4096, 12288, 3072, 19),
-    "dbl.txt.qkv": (512, 3072, 9216, 19), "dbl.txt.proj": (512, 3072, 3072, 19),
-    "dbl.txt.mlp0": (512, 3072, 12288, 19), "dbl.txt.mlp2": (512, 12288, 3072, 19),
-    "sgl.linear1": (4608, 3072, 21504, 38), "sgl.linear2": (4608, 15360, 3072, 38),
-}
+def gemm_shapes(width=3072, mlp=12288, img=4096, txt=512, n_double=19, n_single=38, gated=False):
+    """{name: (M, K, N, count per step)} of a FLUX step's block GEMMs (gated: FLUX.2's SiLU-gated MLP, no biases)."""
+    first = 2 * mlp if gated else mlp
+    return {"dbl.img.qkv": (img, width, 3 * width, n_double), "dbl.img.proj": (img, width, width, n_double),
+            "dbl.img.mlp0": (img, width, first, n_double), "dbl.img.mlp2": (img, mlp, width, n_double),
+            "dbl.txt.qkv": (txt, width, 3 * width, n_double), "dbl.txt.proj": (txt, width, width, n_double),
+            "dbl.txt.mlp0": (txt, width, first, n_double), "dbl.txt.mlp2": (txt, mlp, width, n_double),
+            "sgl.linear1": (img + txt, width, 3 * width + first, n_single),
+            "sgl.linear2": (img + txt, width + mlp, width, n_single)}
 
 
-def gemms():
+GEMMS = gemm_shapes()
+GEMM_CASES = {"dev-1024": GEMMS, "schnell-512": gemm_shapes(img=1024, txt=256),
+              "flux2dev-1024": gemm_shapes(6144, 18432, n_double=8, n_single=48, gated=True)}
+
+
+def gemms(case="dev-1024"):
     f8 = torch.float8_e4m3fn
     tot = {"bf16": 0.0, "fp8_tensor": 0.0, "fp8_row": 0.0}
     flop_step = 0
-    for name, (m, k, n, cnt) in GEMMS.items():
+    for name, (m, k, n, cnt) in GEMM_CASES[case].items():
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         a8, w8 = a.to(f8), w.to(f8)
@@ -103,9 +113,9 @@ def gemms():
                                                            use_fast_accum=True))
         for key in tot:
             tot[key] += row[key] * cnt
-        emit("gemm", name=name, m=m, k=k, n=n, **{f"{key}_ms": round(v, 4) for key, v in row.items()},
+        emit("gemm", case=case, name=name, m=m, k=k, n=n, **{f"{key}_ms": round(v, 4) for key, v in row.items()},
              **{f"{key}_tflops": round(flop / v / 1e9) for key, v in row.items()})
-    emit("gemm_step", tflop=round(flop_step / 1e12, 2), **{f"{k}_ms": round(v, 2) for k, v in tot.items()})
+    emit("gemm_step", case=case, tflop=round(flop_step / 1e12, 2), **{f"{k}_ms": round(v, 2) for k, v in tot.items()})
 
 
 def build_blocks():
@@ -128,6 +138,38 @@ def build_blocks():
     img_ids = torch.stack(torch.meshgrid(torch.arange(64), torch.arange(64), indexing="ij"), -1).reshape(-1, 2)
     ids[0, 512:, 1:] = img_ids.to("cuda", torch.float32)
     return dbl, sgl, emb, ids
+
+
+def build_flux2_blocks():
+    """One DoubleStreamBlock and one SingleStreamBlock of FLUX.2 [dev]'s shape (width 6144, 48 heads, SiLU-gated MLP
+    of ratio 3, no biases, modulation shared across blocks), with the modulation records the model gives them."""
+    from tools.host import import_comfy
+
+    import_comfy()
+    import comfy.ops
+    from comfy.ldm.flux.layers import DoubleStreamBlock, EmbedND, Modulation, SingleStreamBlock
+
+    ops = comfy.ops.disable_weight_init
+    torch.manual_seed(0)
+    kw = dict(dtype=torch.bfloat16, device=DEV, operations=ops)
+    dbl = DoubleStreamBlock(6144, 48, 3.0, qkv_bias=False, modulation=False, mlp_silu_act=True, proj_bias=False, **kw)
+    sgl = SingleStreamBlock(6144, 48, 3.0, modulation=False, mlp_silu_act=True, bias=False, **kw)
+    mods = [Modulation(6144, double=True, bias=False, **kw), Modulation(6144, double=True, bias=False, **kw),
+            Modulation(6144, double=False, bias=False, **kw)]
+    for m in (dbl, sgl, *mods):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.normal_(0, 0.02)
+    emb = EmbedND(dim=128, theta=2000, axes_dim=[32, 32, 32, 32])
+    ids = torch.zeros(1, 4608, 4, device=DEV)
+    img_ids = torch.stack(torch.meshgrid(torch.arange(64), torch.arange(64), indexing="ij"), -1).reshape(-1, 2)
+    ids[0, 512:, 1:3] = img_ids.to(DEV, torch.float32)
+    g = torch.Generator(device=DEV).manual_seed(2)
+    vec = torch.randn(1, 6144, device=DEV, dtype=torch.bfloat16, generator=g)
+    with torch.inference_mode():
+        vec_d = (mods[0](vec), mods[1](vec))
+        vec_s = mods[2](vec)[0]
+    return dbl, sgl, emb, ids, vec_d, vec_s
 
 
 def fp8_copy(block, granularity, layout="subclass"):
@@ -156,15 +198,15 @@ def run_variant(name, dbl, sgl, inputs, *, compile_opts=None, graphs=True, attn=
     if time.time() - T0 > BUDGET_S:
         emit("variant", name=name, skipped="probe budget spent")
         return None
-    img, txt, vec, pe, x = inputs
+    img, txt, vec, pe, x, vs = inputs
     ctx = cudnn_ctx if attn == "cudnn" else contextlib.nullcontext
     torch._dynamo.reset()  # the wrappers below share code objects across variants: no cache-limit fallbacks
 
     def fd(img, txt, vec, pe):
         return dbl(img.clone(), txt.clone(), vec, pe)
 
-    def fs(x, vec, pe):
-        return sgl(x.clone(), vec, pe)
+    def fs(x, vs, pe):
+        return sgl(x.clone(), vs, pe)
 
     try:
         t0 = time.time()
@@ -182,7 +224,7 @@ def run_variant(name, dbl, sgl, inputs, *, compile_opts=None, graphs=True, attn=
         def call_s():
             if graphs and compile_opts is not None:
                 torch.compiler.cudagraph_mark_step_begin()
-            return fs(x, vec, pe)
+            return fs(x, vs, pe)
 
         with ctx(), torch.inference_mode():
             od = [t.clone() for t in call_d()]
@@ -192,7 +234,7 @@ def run_variant(name, dbl, sgl, inputs, *, compile_opts=None, graphs=True, attn=
             d_ms = bench_ms(call_d)
             s_ms = bench_ms(call_s)
         rec = dict(name=name, double_ms=round(d_ms, 4), single_ms=round(s_ms, 4),
-                   step_ms_est=round(19 * d_ms + 38 * s_ms, 2), first_s=round(first, 1))
+                   step_ms_est=round(BLOCKS[0] * d_ms + BLOCKS[1] * s_ms, 2), first_s=round(first, 1))
         if ref is not None:
             rec["rel_err_double_img"] = rel_err(od[0], ref[0][0])
             rec["rel_err_single"] = rel_err(os_, ref[1])
@@ -206,16 +248,16 @@ def run_variant(name, dbl, sgl, inputs, *, compile_opts=None, graphs=True, attn=
 def profile(name, fd, fs, inputs, attn=None):
     from torch.profiler import ProfilerActivity, profile as prof
 
-    img, txt, vec, pe, x = inputs
+    img, txt, vec, pe, x, vs = inputs
     ctx = cudnn_ctx if attn == "cudnn" else contextlib.nullcontext
     with ctx(), torch.inference_mode():
         for _ in range(2):
-            fd(img, txt, vec, pe), fs(x, vec, pe)
+            fd(img, txt, vec, pe), fs(x, vs, pe)
         torch.cuda.synchronize()
         with prof(activities=[ProfilerActivity.CUDA]) as p:
             for _ in range(5):
                 fd(img, txt, vec, pe)
-                fs(x, vec, pe)
+                fs(x, vs, pe)
             torch.cuda.synchronize()
     cats: dict[str, float] = {}
     kernels: dict[str, float] = {}
@@ -326,6 +368,78 @@ class StaticScale:
                 c.forward = f
 
 
+class Fa3Fp8:
+    """Lever probe: FLUX's attention as FlashAttention-3's FP8 kernel (the fa3-fwd wheel), Q, K and V cast to FP8 e4m3
+    inside the compiled block, so that inductor fuses each cast into the kernel that makes the tensor (QK-norm and
+    RoPE for Q and K). Scales per tensor: `bound` takes Q's and K's from the block's QK-norm weights (an RMS-normed
+    vector's element is at most sqrt(head_dim) x its weight, and RoPE rotates pairs, which keeps that bound: no
+    reduction, no overflow); else each call's absmax (a reduction before the cast). V's scale is each call's absmax."""
+
+    def __init__(self, block, bound: bool):
+        import fa3_fwd_interface  # noqa: F401  (registers torch.ops.fa3_fwd)
+
+        self.qk = None
+        if bound:
+            norms = [m for m in block.modules() if type(m).__name__ == "QKNorm"]
+            w = lambda n: (getattr(n, "weight", None) if getattr(n, "weight", None) is not None else n.scale)  # noqa: E731
+            hd = w(norms[0].query_norm).numel()  # the norm's width is the head dim
+            qmax = max(float(w(n.query_norm).detach().abs().max()) for n in norms)
+            kmax = max(float(w(n.key_norm).detach().abs().max()) for n in norms)
+            dev = next(block.parameters()).device
+            # 1 % over the bound: rounding in the norm and RoPE must not push an element past FP8's largest (448)
+            self.qk = tuple(torch.tensor(hd ** 0.5 * m * 1.01 / 448.0, device=dev, dtype=torch.float32)
+                            for m in (qmax, kmax))
+
+    @staticmethod
+    def _absmax_scale(t):
+        return (t.abs().amax().float() / 448.0).clamp(min=1e-12)
+
+    def __call__(self, func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                 skip_output_reshape=False, **kwargs):
+        f8 = torch.float8_e4m3fn
+        b, h, n, d = q.shape
+        qs, ks = self.qk if self.qk is not None else (self._absmax_scale(q), self._absmax_scale(k))
+        vs = self._absmax_scale(v)
+        q8, k8, v8 = ((t.float() / sc).to(f8).transpose(1, 2) for t, sc in ((q, qs), (k, ks), (v, vs)))
+        desc = [sc.reshape(1, 1).expand(b, h) for sc in (qs, ks, vs)]
+        out = torch.ops.fa3_fwd._flash_attn_forward(q8, k8, v8, q_descale=desc[0], k_descale=desc[1],
+                                                    v_descale=desc[2], softmax_scale=d ** -0.5)[0]
+        return out.reshape(b, n, h * d)
+
+
+def fp8_attention(dbl, sgl, inputs, base, ref):
+    """FP8 attention (FlashAttention-3) against the default's cuDNN bf16 SDPA, at block level, with the error."""
+    from fluxaccel.core.compile.attention import OVERRIDE_KEY, sdpa_cudnn_first
+
+    try:
+        import fa3_fwd_interface  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        emit("variant", name="fa3 fp8 attention", error=f"fa3_fwd_interface not importable: {type(e).__name__}: {e}"[:300])
+        return
+    d, s_ = fp8_copy(dbl, "per_row", "plain"), fp8_copy(sgl, "per_row", "plain")
+    wd, ws = _Opts(d, {OVERRIDE_KEY: sdpa_cudnn_first}, True), _Opts(s_, {OVERRIDE_KEY: sdpa_cudnn_first}, True)
+    cur = run_variant(f"{TAG}default: fp8 row plain compile", wd, ws, inputs, compile_opts=base, graphs=False, ref=ref)
+    for bound in (False, True):
+        name = f"{TAG}fa3 fp8 attention, q/k scales {'from the QK-norm bound' if bound else 'absmax per call'}"
+        wd8 = _Opts(d, {OVERRIDE_KEY: Fa3Fp8(d, bound)}, True)
+        ws8 = _Opts(s_, {OVERRIDE_KEY: Fa3Fp8(s_, bound)}, True)
+        r = run_variant(name, wd8, ws8, inputs, compile_opts=base, graphs=False, ref=ref)
+        if r and bound:
+            profile(name, r[2], r[3], inputs)
+    static = StaticScale(d, s_)  # with the static activation scales of the block-level levers: the fastest blocks
+    img, txt, vec, pe, x, vs = inputs
+    with torch.inference_mode():
+        static.calibrate(lambda: (wd(img.clone(), txt.clone(), vec, pe), ws(x.clone(), vs, pe)))
+    with static.on():
+        run_variant(f"{TAG}static per-tensor activation scales", wd, ws, inputs, compile_opts=base, graphs=False,
+                    ref=ref)
+        r = run_variant(f"{TAG}static scales + fa3 fp8 attention (QK-norm bound)", wd8, ws8, inputs,
+                        compile_opts=base, graphs=False, ref=ref)
+        if r:
+            profile(f"{TAG}static scales + fa3 fp8 attention (QK-norm bound)", r[2], r[3], inputs)
+    return d, s_, cur
+
+
 def levers(dbl, sgl, inputs, base, ref):
     """Per-step levers, each an A/B against FluxAccel's default at block level (FP8 per-row plain, cuDNN-first
     attention override, torch RoPE; no CUDA graphs, as under ComfyUI 0.33's default cudaMallocAsync), with a kernel
@@ -338,9 +452,9 @@ def levers(dbl, sgl, inputs, base, ref):
     if cur:
         profile("default: fp8 row plain compile", cur[2], cur[3], inputs)
     static = StaticScale(d, s_)
-    img, txt, vec, pe, x = inputs
+    img, txt, vec, pe, x, vs = inputs
     with torch.inference_mode():
-        static.calibrate(lambda: (wd(img.clone(), txt.clone(), vec, pe), ws(x.clone(), vec, pe)))
+        static.calibrate(lambda: (wd(img.clone(), txt.clone(), vec, pe), ws(x.clone(), vs, pe)))
     with static.on():
         st = run_variant("static per-tensor activation scales", wd, ws, inputs, compile_opts=base, graphs=False,
                          ref=ref)
@@ -354,6 +468,32 @@ def levers(dbl, sgl, inputs, base, ref):
     run_variant("default with CUDA graphs (--disable-cuda-malloc)", wd, ws, inputs, compile_opts=base, ref=ref)
 
 
+def flux2(base):
+    """The per-step levers on FLUX.2 [dev]'s blocks (a step estimated as 8 double + 48 single)."""
+    global BLOCKS, TAG
+    BLOCKS, TAG = (8, 48), "flux2-dev: "
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    dbl, sgl, emb, ids, vec_d, vec_s = build_flux2_blocks()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    img = torch.randn(1, 4096, 6144, device="cuda", dtype=torch.bfloat16, generator=g)
+    txt = torch.randn(1, 512, 6144, device="cuda", dtype=torch.bfloat16, generator=g)
+    with torch.inference_mode():
+        pe = emb(ids)
+    inputs = (img, txt, vec_d, pe, torch.cat([txt, img], 1), vec_s)
+    eager = run_variant(f"{TAG}bf16 eager", dbl, sgl, inputs)
+    ref = (eager[0], eager[1]) if eager else None
+    got = fp8_attention(dbl, sgl, inputs, base, ref)
+    if not got:
+        return
+    d, s_, _ = got
+    from fluxaccel.core.compile.attention import OVERRIDE_KEY, sdpa_cudnn_first
+
+    wd, ws = _Opts(d, {OVERRIDE_KEY: sdpa_cudnn_first}, True), _Opts(s_, {OVERRIDE_KEY: sdpa_cudnn_first}, True)
+    run_variant(f"{TAG}coordinate_descent_tuning", wd, ws, inputs,
+                compile_opts={**base, "coordinate_descent_tuning": True}, graphs=False, ref=ref)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -364,6 +504,15 @@ def main():
     ap.add_argument("--levers", action="store_true",
                     help="per-step levers against the default (coordinate-descent tuning, static activation scales), "
                          "with kernel profiles")
+    ap.add_argument("--fa3", action="store_true",
+                    help="FP8 attention (FlashAttention-3's FP8 kernel, the fa3-fwd wheel) against the default, with "
+                         "the error and a kernel profile")
+    ap.add_argument("--flux2", action="store_true",
+                    help="also FLUX.2 [dev]'s blocks (8 double + 48 single): the default, static activation scales, "
+                         "FP8 attention, coordinate-descent tuning")
+    ap.add_argument("--gemm-cases", default="",
+                    help="GEMM micro-benchmarks of these cases' shapes (comma-separated: dev-1024, schnell-512, "
+                         "flux2dev-1024): the FP8 GEMM time a step cannot go below")
     ap.add_argument("--layouts", action="store_true",
                     help="only FP8 per-row compile+graphs in the Float8Tensor vs plain layout, and a kernel profile of each")
     a = ap.parse_args()
@@ -372,9 +521,11 @@ def main():
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     emit("env", torch=torch.__version__, gpu=torch.cuda.get_device_name(0),
          cudnn=torch.backends.cudnn.version())
-    if not (a.skip_micro or a.layouts or a.levers):
+    if not (a.skip_micro or a.layouts or a.levers or a.fa3 or a.gemm_cases):
         sdpa_backends()
         gemms()
+    for case in filter(None, a.gemm_cases.split(",")):
+        gemms(case)
     dbl, sgl, emb, ids = build_blocks()
     with torch.inference_mode():
         pe = emb(ids)
@@ -385,10 +536,18 @@ def main():
     txt = torch.randn(1, 512, 3072, device="cuda", dtype=torch.bfloat16, generator=g)
     vec = torch.randn(1, 3072, device="cuda", dtype=torch.bfloat16, generator=g)
     x = torch.cat([txt, img], 1)
-    inputs = (img, txt, vec, pe, x)
+    inputs = (img, txt, vec, pe, x, vec)
     base = {"emulate_precision_casts": True}
     eager = run_variant("bf16 eager", dbl, sgl, inputs)
     ref = (eager[0], eager[1]) if eager else None
+    if a.fa3 or a.flux2:
+        if a.fa3:
+            fp8_attention(dbl, sgl, inputs, base, ref)
+        if a.flux2:
+            del dbl, sgl, eager
+            flux2(base)
+        table()
+        return
     if a.levers:
         levers(dbl, sgl, inputs, base, ref)
         table()
