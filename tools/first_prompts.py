@@ -46,6 +46,10 @@ CONFIGS = {
     "tuned": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
               ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "tuned-kernels", "resolution_policy": "strict",
                                          "max_shapes": 4, "persistent_cache": True, "block_regions": True})],
+    "fp8attn": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
+                ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
+                                           "max_shapes": 4, "persistent_cache": True, "block_regions": True,
+                                           "attention": "fp8"})],
     "eager": [],
     "torchcompile": [("5", "TorchCompileModel", {"backend": "inductor"})],
     # core's fp8_e4m3fn_fast + TorchCompileModel: the loader with weight_dtype fp8_e4m3fn_fast (its own node, "1f")

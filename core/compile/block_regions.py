@@ -32,6 +32,7 @@ import dataclasses
 import torch
 
 from .attention import OVERRIDE_KEY, sdpa_cudnn_first
+from .fp8_attention import SCALES_KEY, qk_scales, sdpa_fp8
 
 DOUBLE = "double_block"
 SINGLE = "single_block"
@@ -49,18 +50,29 @@ def _region(fn):
 @_region
 def _double(block, img, txt, vec_layout, vec_tensors, pe, attn_mask, transformer_options, own_attention):
     return block(img=img.clone(), txt=txt.clone(), vec=_rebuilt(vec_layout, vec_tensors), pe=pe, attn_mask=attn_mask,
-                 transformer_options=_with_attention(transformer_options, own_attention))
+                 transformer_options=_with_attention(block, transformer_options, own_attention))
 
 
 @_region
 def _single(block, img, vec_layout, vec_tensors, pe, attn_mask, transformer_options, own_attention):
     return block(img.clone(), vec=_rebuilt(vec_layout, vec_tensors), pe=pe, attn_mask=attn_mask,
-                 transformer_options=_with_attention(transformer_options, own_attention))
+                 transformer_options=_with_attention(block, transformer_options, own_attention))
 
 
-def _with_attention(options: dict, own_attention: bool) -> dict:
-    """FluxAccel's attention override is put back inside the region rather than passed in (see the module's notes)."""
-    return {**options, OVERRIDE_KEY: sdpa_cudnn_first} if own_attention else options
+_OWN = {"cudnn": sdpa_cudnn_first, "fp8": sdpa_fp8}  # FluxAccel's attention overrides, by the name a region takes
+
+
+def _with_attention(block, options: dict, own_attention: str) -> dict:
+    """FluxAccel's attention override is put back inside the region rather than passed in (see the module's notes);
+    FP8 attention also takes this block's Q/K scales from its QK-norm weights (fp8_attention.py)."""
+    if not own_attention:
+        return options
+    out = {**options, OVERRIDE_KEY: _OWN[own_attention]}
+    if own_attention == "fp8":
+        scales = qk_scales(block)
+        if scales is not None:
+            out[SCALES_KEY] = scales
+    return out
 
 
 _RECORDS: dict[str, type] = {}  # the modulation record classes met, by name (a region rebuilds them from the name)
@@ -106,10 +118,10 @@ def _take(layout, tensors: tuple, i: int):
     return (list(items) if kind == "list" else tuple(items)), i
 
 
-def _shared_options(options: dict | None) -> tuple[dict, bool]:
-    """(the options every block of a kind shares, whether the attention override is FluxAccel's own)."""
+def _shared_options(options: dict | None) -> tuple[dict, str]:
+    """(the options every block of a kind shares, the name of FluxAccel's attention override in them or '')."""
     shared = {k: v for k, v in (options or {}).items() if k not in _PER_BLOCK_KEYS}
-    own = shared.get(OVERRIDE_KEY) is sdpa_cudnn_first
+    own = next((name for name, fn in _OWN.items() if shared.get(OVERRIDE_KEY) is fn), "")
     if own:
         del shared[OVERRIDE_KEY]
     return shared, own

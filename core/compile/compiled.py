@@ -20,7 +20,7 @@ import torch
 from .config import MODES, POLICIES, CompileConfig  # noqa: F401  (the compile config's home is config.py)
 from .runner import Runner
 from .shapes import ShapeKey, ShapePolicy, dtype_name, shape_key, without_references  # noqa: F401
-from .options import refuse_unsupported
+from .options import attention_override, refuse_unsupported
 from .stats import CompileStats
 from .telemetry import Telemetry
 
@@ -46,7 +46,8 @@ class CompiledFlux(torch.nn.Module):
 
             self.regions = BlockRegions(dm)
         self.cache, packages = self._persistence(dm, variant, layout)
-        self.runner = Runner(dm, cfg.inductor_options(self.device), cfg.cuda_graphs, self.regions, packages)
+        self.runner = Runner(dm, cfg.inductor_options(self.device), cfg.cuda_graphs, self.regions, packages,
+                             attention=attention_override(cfg.attention))
         self.telemetry = Telemetry(self)
 
     def _persistence(self, dm, variant: str, layout: str | None):
@@ -113,7 +114,7 @@ class CompiledFlux(torch.nn.Module):
             self.stats.shapes.append(key)
 
     def forward(self, x, timestep, context=None, control=None, transformer_options={}, **kwargs):
-        refuse_unsupported(control, transformer_options, kwargs, self.regions)
+        refuse_unsupported(control, transformer_options, kwargs, self.regions, self.cfg.attention)
         if not self.references:
             kwargs = without_references(kwargs)
         key = shape_key(x, context, kwargs, self.scale)

@@ -16,6 +16,7 @@ MODES: tuple[str, ...] = ("default", "tuned-kernels", "max-autotune-no-cudagraph
 # compile ~45 s longer, and ~15 s of tuning again at the first call after a restart (bench/NOTES.md).
 OWN_MODES: dict[str, dict] = {"tuned-kernels": {"coordinate_descent_tuning": True}}
 POLICIES: tuple[str, ...] = ("strict", "recompile", "eager_fallback")
+ATTENTIONS: tuple[str, ...] = ("cudnn", "fp8")  # fp8: FlashAttention-3's FP8 kernel (fp8_attention.py), opt-in
 
 
 @dataclass(frozen=True)
@@ -29,12 +30,15 @@ class CompileConfig:
     # does not trace the model again; off: only inductor's artifacts are kept (compile_cache.py)
     warm_start: bool = True
     block_regions: bool = True  # H200 dev-1024-28: compile 73 -> 42 s, steady state +2-3 % (bench/NOTES.md)
+    attention: Literal["cudnn", "fp8"] = "cudnn"
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise FluxAccelError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.resolution_policy not in POLICIES:
             raise FluxAccelError(f"resolution_policy must be one of {POLICIES}, got {self.resolution_policy!r}")
+        if self.attention not in ATTENTIONS:
+            raise FluxAccelError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if self.max_shapes < 1:
             raise FluxAccelError(f"max_shapes must be at least 1, got {self.max_shapes}")
         if self.block_regions:
@@ -54,6 +58,9 @@ class CompileConfig:
             "CUDA graphs " + ("on" if self.cuda_graphs else "off"),
             f"shapes: {policy}",
             "repeated blocks compiled once" if self.block_regions else "every block compiled",
+            *(["FP8 attention (FlashAttention-3), Q/K scales " + ("from the QK-norm bound" if self.block_regions
+                                                                   else "per call (block_regions off)")]
+              if self.attention == "fp8" else []),
             ("compile cache on" + (" with warm start" if self.warm_start else "")) if self.persistent_cache
             else "no compile cache (compiles again after a restart)"])
 

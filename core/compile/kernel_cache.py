@@ -65,7 +65,8 @@ def cache_key(dm: torch.nn.Module, cfg, device: torch.device, variant: str = "",
         for name, p in dm.named_parameters():
             h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{type(p.data).__name__}".encode())
     # only what changes the compiled artifacts: the inductor options (graphs, mode), not resolution_policy etc.
-    options = repr(sorted(cfg.inductor_options(device).items())) + f" block_regions={cfg.block_regions}"
+    options = (repr(sorted(cfg.inductor_options(device).items())) + f" block_regions={cfg.block_regions}"
+               + (f" attention={cfg.attention}" if cfg.attention != "cudnn" else ""))
     ident = {"format": 1, "torch": torch.__version__, "triton": package_version("triton"),
              "torchao": package_version("torchao"),
              "device": dev, "config": options, "model": type(dm).__name__, "layout": h.hexdigest(),

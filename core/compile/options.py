@@ -33,8 +33,12 @@ def unsupported(transformer_options: dict) -> list[str]:
     return found + [f"diffusion_model wrapper '{k}'" for k, v in from_wrappers.items() if v]
 
 
-def refuse_unsupported(control, transformer_options: dict, kwargs: dict, regions) -> None:
+def refuse_unsupported(control, transformer_options: dict, kwargs: dict, regions, attention: str = "cudnn") -> None:
     """An error naming what the compiled graph cannot honour in this call; nothing if it can."""
+    if attention == "fp8" and kwargs.get("attention_mask") is not None:
+        raise FluxAccelError("The Compile node's attention 'fp8' (FlashAttention-3) takes no attention mask, and this "
+                             "workflow's conditioning carries one: set attention to 'cudnn' on the Compile node "
+                             "(FluxAccel) for this workflow.")
     if control is not None:
         raise FluxAccelError("ControlNet inputs are not supported by the compiled FLUX model yet: bypass the "
                              "Compile node (FluxAccel) when using ControlNet.")
@@ -62,10 +66,20 @@ def passed(transformer_options: dict) -> dict:
     return out
 
 
-def call_options(transformer_options: dict, regions=None) -> dict:
+def attention_override(attention: str):
+    """The attention FluxAccel compiles with: cuDNN-first SDPA (attention.py) or FP8 FlashAttention-3
+    (fp8_attention.py)."""
+    if attention == "fp8":
+        from .fp8_attention import sdpa_fp8
+
+        return sdpa_fp8
+    return sdpa_cudnn_first
+
+
+def call_options(transformer_options: dict, regions=None, attention=sdpa_cudnn_first) -> dict:
     """The transformer_options of one compiled call: the block regions' table, the passed keys, and the attention
-    FluxAccel compiles with (attention.py) unless the workflow set its own override."""
+    FluxAccel compiles with (`attention`, an override) unless the workflow set its own override."""
     opts = regions.transformer_options() if regions is not None else {}
     opts.update(passed(transformer_options))
-    opts.setdefault(OVERRIDE_KEY, sdpa_cudnn_first)
+    opts.setdefault(OVERRIDE_KEY, attention)
     return opts

@@ -126,6 +126,12 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
             log.warning("FluxAccel: %s compiles without block_regions: %s", node, regions_off)
             cfg = dataclasses.replace(cfg, block_regions=False)
     device = torch.device(model.load_device)
+    if cfg.attention == "fp8":
+        from .fp8_attention import why_not
+
+        why = why_not(device)
+        if why:
+            raise FluxAccelError(f"{node}: attention 'fp8' cannot run here: {why}. Set attention to 'cudnn'.")
     graphs_off = ""
     if cfg.cuda_graphs:
         blockers = cuda_graph_blockers(device)

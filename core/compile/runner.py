@@ -8,6 +8,7 @@ import torch
 
 from ..errors import FluxAccelError
 from ..upstream import Unavailable, comfy_internals, say, torch_internals
+from .attention import sdpa_cudnn_first
 from .options import call_options
 from .rope import torch_rope
 
@@ -46,8 +47,10 @@ class Runner:
     per shape, a graph break is an error); `packages` (warm_start.Packages, or None) hands out the call's saved
     compiled function where it has one. `paused`: the Comfy model compiler's answer for the last call."""
 
-    def __init__(self, dm: torch.nn.Module, options: dict, graphs: bool, regions=None, packages=None):
+    def __init__(self, dm: torch.nn.Module, options: dict, graphs: bool, regions=None, packages=None,
+                 attention=sdpa_cudnn_first):
         self.dm, self.graphs, self.regions, self.packages = dm, graphs, regions, packages
+        self.attention = attention  # the attention override FluxAccel compiles with (options.attention_override)
         self.compiled = torch.compile(dm, backend="inductor", dynamic=False, fullgraph=True, options=options)
         self.paused = False
 
@@ -55,7 +58,7 @@ class Runner:
                  loading=contextlib.nullcontext):
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous call's outputs may be overwritten from here on
-        opts = call_options(transformer_options, self.regions)
+        opts = call_options(transformer_options, self.regions, self.attention)
         call_kwargs = dict(context=context, transformer_options=opts, **kwargs)
         # plain-torch RoPE (rope.py); outside the Comfy model compiler's memory plan, should one be recording
         with one_graph(), recompile_budget(), torch_rope(), comfy_internals.outside_model_compiler() as self.paused:
