@@ -306,7 +306,7 @@ def _fp8_home(model, device: torch.device, fp8_bytes: int, report: Fp8Report) ->
 def _same_fp8(q, parts: dict) -> bool:
     as_bytes = lambda t: t.detach().cpu().contiguous().view(torch.uint8)  # noqa: E731
     return (torch.equal(as_bytes(q.weight), as_bytes(parts["weight"]))
-            and torch.equal(q.fp8_weight_scale.detach().cpu(), parts["scale"]))
+            and torch.equal(q.fp8_weight_scale.detach().cpu(), parts["scale"].detach().cpu()))
 
 
 def _quantize_chosen(model, clone, originals: dict, chosen: list[str], cfg: Fp8Config, device, compute_dtype,
