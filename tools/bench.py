@@ -86,10 +86,15 @@ def core_prompt(unet_name: str) -> dict:
     p["10"] = _node("FluxAccelCompile", "Compile (blocks+modulation, no block regions)", model=["8", 0],
                     cuda_graphs=True, mode="default", resolution_policy="strict", max_shapes=4,
                     persistent_cache=True, clear_cache=False, block_regions=False)
+    # FP8 attention (FlashAttention-3's FP8 kernel; the fa3-fwd wheel, Hopper GPUs only)
+    p["11"] = _node("FluxAccelCompile", "Compile (defaults, attention fp8)", model=["6", 0], cuda_graphs=True,
+                    mode="default", resolution_policy="strict", max_shapes=4, persistent_cache=True,
+                    clear_cache=False, block_regions=True, attention="fp8")
     rows = [("3", "core TorchCompileModel", "core-torchcompile"),
             ("5", "core fp8_e4m3fn_fast + TorchCompileModel", "core-fp8_e4m3fn_fast+torchcompile"),
             ("7", "FluxAccel default", ""), ("9", "FluxAccel best (blocks+modulation)", ""),
-            ("10", "FluxAccel fastest (blocks+modulation, no block regions)", "")]
+            ("10", "FluxAccel fastest (blocks+modulation, no block regions)", ""),
+            ("11", "FluxAccel attention fp8", "")]
     for i, (model, title, label) in enumerate(rows):
         p[str(20 + i)] = _node("FluxAccelBenchmark", f"Benchmark {title}", model=[model, 0], baseline=["1", 0],
                                positive=["2", 0], text_length=512, width=1024, height=1024, steps=28, runs=3,
