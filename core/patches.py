@@ -22,7 +22,7 @@ def compute_dtype(model) -> str:
 def label(model) -> str:
     """e.g. 'bf16', 'fp32' (what the model computes in), 'fp8-per_row', 'fp8-per_row+compile+graphs',
     'fp8-per_row-plain+compile+graphs+regions', 'fp8-per_row-plain-blocks+modulation' (the scope is named when it is
-    not the default 'blocks'). '+graphs' only where CUDA graphs run: not on the CPU, not under cudaMallocAsync."""
+    not the default 'blocks'), '...+regions+fp8-attention'. '+graphs' only where CUDA graphs run: not on the CPU, not under cudaMallocAsync."""
     fp8 = fp8_state(model)
     name = compute_dtype(model)
     if fp8:
@@ -36,6 +36,8 @@ def label(model) -> str:
             name += "+regions"
         if c.cfg.mode != "default":
             name += f"+{c.cfg.mode}"
+        if c.cfg.attention != "cudnn":
+            name += f"+{c.cfg.attention}-attention"
     return name
 
 
@@ -50,7 +52,7 @@ def describe(model) -> dict:
     if c is not None:
         st = c.stats
         out["compile"] = {"cuda_graphs": c.cfg.cuda_graphs, "mode": c.cfg.mode, "policy": c.cfg.resolution_policy,
-                          "block_regions": c.cfg.block_regions,
+                          "block_regions": c.cfg.block_regions, "attention": c.cfg.attention,
                           "shapes": [k.describe() for k in st.shapes],
                           "compile_seconds": {k.describe(): round(v, 2) for k, v in st.compile_seconds.items()},
                           "compile_phases_s": {k.describe(): v for k, v in st.compile_phases.items()},

@@ -117,6 +117,9 @@ def test_compiled_regions_hand_each_block_its_bound(tiny_flux, fa3, monkeypatch)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 1  # one graph, no recompile on the second call
     assert 1e-4 < rel_err(out, ref) < 0.1
     assert "FP8 attention (FlashAttention-3), Q/K scales from the QK-norm bound" in compiled.cfg.summary()
+    from fluxaccel.core.patches import describe, label
+
+    assert label(model).endswith("+regions+fp8-attention") and describe(model)["compile"]["attention"] == "fp8"
 
 
 def test_without_block_regions_qk_scales_are_per_call(tiny_flux, fa3, monkeypatch):
