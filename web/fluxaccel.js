@@ -212,12 +212,15 @@ function fluxaccelBadge(node) {
 
 // Compile's widget values as saved before clear_cache left the node (it was a saved setting that cleared the cache of
 // every machine running the workflow): [cuda_graphs, mode, resolution_policy, max_shapes, persistent_cache,
-// clear_cache, block_regions]. Without this, the old clear_cache value would land in block_regions.
+// clear_cache, block_regions]. Without this, the old clear_cache value would land in block_regions. Today's node has
+// seven values too, the last one attention (a name, not a boolean): those are left as they are.
 const RETIRED_CLEAR_CACHE_SLOT = 5;
 const COMPILE_WIDGETS_WITH_CLEAR_CACHE = 7;
 
 export function migrateCompileWidgets(values) {
-  if (!Array.isArray(values) || values.length !== COMPILE_WIDGETS_WITH_CLEAR_CACHE) return { values, cleared: false };
+  if (!Array.isArray(values) || values.length !== COMPILE_WIDGETS_WITH_CLEAR_CACHE || typeof values[6] !== "boolean") {
+    return { values, cleared: false };
+  }
   const copy = [...values];
   const [cleared] = copy.splice(RETIRED_CLEAR_CACHE_SLOT, 1);
   return { values: copy, cleared: cleared === true };

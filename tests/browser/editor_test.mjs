@@ -121,10 +121,16 @@ try {
     window.__fluxaccel.toasts.splice(toastsBefore);  // the later checks read the run's toasts only
     return { widgets, added };
   });
-  // back to the CPU quickstart, as shipped, for the run
-  await page.evaluate(async () => {
+  // back to the CPU quickstart, as shipped, for the run (today's seven Compile values, attention last: not migrated)
+  result.shippedCompile = await page.evaluate(async () => {
     const data = await (await fetch("/api/workflow_templates/comfyui-fluxaccel/fluxaccel_quickstart_cpu.json")).json();
+    const migratedBefore = window.__fluxaccel.migrated || 0;
     await window.app.loadGraphData(data, true, false, "fluxaccel_quickstart_cpu");
+    await new Promise((r) => setTimeout(r, 300));
+    const loaded = window.app.graph._nodes.find((n) => n.type === "FluxAccelCompile");
+    return { widgets: Object.fromEntries(loaded.widgets.map((w) => [w.name, w.value])),
+             saved: data.nodes.find((n) => n.type === "FluxAccelCompile").widgets_values,
+             migrated: (window.__fluxaccel.migrated || 0) - migratedBefore };
   });
   await page.waitForTimeout(800);
   result.loadedTypes = await page.evaluate(() => window.app.graph._nodes.map((n) => n.type).sort());
