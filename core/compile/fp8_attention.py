@@ -56,12 +56,13 @@ def _norms(block) -> list | None:
 
 
 def _weight_bound(norm) -> torch.Tensor | None:
-    """max |weight| of an RMSNorm as it runs (None where ComfyUI changes the weight per call: LoRA on the fly)."""
+    """max |weight| of an RMSNorm as it runs (None where ComfyUI changes the weight per call, LoRA on the fly, or
+    the norm has no weight FluxAccel can read)."""
     if getattr(norm, "weight_function", None) or getattr(norm, "bias_function", None):
         return None
     w = getattr(norm, "weight", None)
-    if w is None:
-        return torch.ones((), dtype=torch.float32)
+    if not isinstance(w, torch.Tensor):
+        return None
     return w.detach().abs().amax().float()
 
 
