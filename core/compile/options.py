@@ -39,6 +39,12 @@ def refuse_unsupported(control, transformer_options: dict, kwargs: dict, regions
         raise FluxAccelError("The Compile node's attention 'fp8' (FlashAttention-3) takes no attention mask, and this "
                              "workflow's conditioning carries one: set attention to 'cudnn' on the Compile node "
                              "(FluxAccel) for this workflow.")
+    theirs = transformer_options.get(OVERRIDE_KEY)
+    ours = getattr(theirs, "__module__", "").startswith(__package__)  # FluxAccel's own (attention.py, fp8_attention.py)
+    if attention == "fp8" and theirs is not None and not ours:
+        raise FluxAccelError(f"The Compile node's attention 'fp8' and an attention override another node set "
+                             f"({getattr(theirs, '__name__', type(theirs).__name__)}) cannot both run: set attention "
+                             f"to 'cudnn' on the Compile node (FluxAccel), or remove the other node.")
     if control is not None:
         raise FluxAccelError("ControlNet inputs are not supported by the compiled FLUX model yet: bypass the "
                              "Compile node (FluxAccel) when using ControlNet.")

@@ -145,6 +145,16 @@ def test_a_mask_is_refused_with_fp8_attention():
     refuse_unsupported(None, {}, {"attention_mask": torch.ones(1, 4)}, None, "cudnn")
 
 
+def test_another_nodes_attention_override_is_refused_with_fp8_attention():
+    def theirs(func, *args, **kwargs):
+        return func(*args, **kwargs)
+
+    with pytest.raises(FluxAccelError, match=r"attention 'fp8' and an attention override another node set \(theirs\)"):
+        refuse_unsupported(None, {"optimized_attention_override": theirs}, {}, None, "fp8")
+    refuse_unsupported(None, {"optimized_attention_override": theirs}, {}, None, "cudnn")  # theirs runs, as before
+    refuse_unsupported(None, {"optimized_attention_override": fa.sdpa_fp8}, {}, None, "fp8")  # FluxAccel's own
+
+
 def test_config_names_the_setting():
     with pytest.raises(FluxAccelError, match="attention must be one of"):
         CompileConfig(attention="sage")
