@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from ..upstream import fa3_internals
 from .attention import sdpa_cudnn_first
 
 SCALES_KEY = "fluxaccel_fp8_attention_qk_scales"  # transformer_options key: (2,) float32, Q's and K's scale
@@ -37,12 +38,9 @@ def why_not(device: torch.device) -> str | None:
     if major != 9:
         return (f"FlashAttention-3 runs on Hopper GPUs (compute capability 9.x, e.g. H100, H200); this GPU is "
                 f"{major}.{minor}")
-    try:
-        import fa3_fwd_interface  # noqa: F401  (registers torch.ops.fa3_fwd._flash_attn_forward)
-    except Exception as e:  # noqa: BLE001 -- absent, or built for another torch/CUDA
-        return f"FlashAttention-3's kernel is not importable ({type(e).__name__}: {e}); install it with `pip install fa3-fwd`"
-    if not hasattr(torch.ops.fa3_fwd, "_flash_attn_forward"):
-        return "this fa3-fwd has no fa3_fwd::_flash_attn_forward operator; install fa3-fwd 0.0.3 or newer"
+    ok = fa3_internals.available()
+    if not ok:
+        return f"FlashAttention-3's FP8 kernel cannot be called ({ok}); install it with `pip install fa3-fwd`"
     return None
 
 
@@ -105,8 +103,7 @@ def sdpa_fp8(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=
     qs, ks = (qk[0], qk[1]) if qk is not None else (_absmax_scale(q), _absmax_scale(k))
     vs = _absmax_scale(v)
     descale = [s.reshape(1, 1).expand(b, h) for s in (qs, ks, vs)]
-    out = torch.ops.fa3_fwd._flash_attn_forward(_fp8(q, qs), _fp8(k, ks), _fp8(v, vs), q_descale=descale[0],
-                                                k_descale=descale[1], v_descale=descale[2], softmax_scale=d ** -0.5)[0]
+    out = fa3_internals.fp8_forward(_fp8(q, qs), _fp8(k, ks), _fp8(v, vs), *descale, softmax_scale=d ** -0.5)
     out = out.to(q.dtype)  # (batch, tokens, heads, dim)
     if skip_output_reshape:
         return out.transpose(1, 2)

@@ -5,6 +5,7 @@
   torch_internals  -- torch's dynamo and inductor: compile counters and timers, cudagraph trees, config patches,
                       the cache-artifact manager, AOT-compiled functions
   torchao_internals -- torchao: its FP8 hardware gate, the float8 primitives of its torch-kernel path
+  fa3_internals    -- FlashAttention-3's FP8 forward (the fa3-fwd wheel): its custom op, for FP8 attention
 
 Each function detects the name it needs when it is called and returns a defined "not available" answer (an
 `Unavailable`, falsy, that names the upstream, its version and the missing name) instead of raising

@@ -337,3 +337,23 @@ def test_pin_host_missing_says_so(monkeypatch):
     monkeypatch.undo()
     if not torch.cuda.is_available():  # a CPU build: no CUDA runtime to lock pages with, said as such
         assert isinstance(torch_internals.pin_host(buf), Unavailable)
+
+
+def test_fa3_forward_missing_says_what_and_fp8_attention_explains(monkeypatch):
+    """Without the fa3-fwd wheel (these machines): Unavailable naming its interface; with an interface that registers
+    no such op: Unavailable naming the op. Either way the Compile node's refusal says what to install."""
+    import sys
+    import types
+
+    from fluxaccel.core.compile import fp8_attention
+    from fluxaccel.core.upstream import fa3_internals
+
+    missing = fa3_internals.available()
+    assert isinstance(missing, Unavailable) and missing.name == "fa3_fwd_interface" and missing.upstream == "fa3-fwd"
+    monkeypatch.setitem(sys.modules, "fa3_fwd_interface", types.ModuleType("fa3_fwd_interface"))
+    monkeypatch.setattr(fa3_internals, "NAMESPACE", "fa3_fwd_renamed")
+    no_op = fa3_internals.available()
+    assert isinstance(no_op, Unavailable) and no_op.name == "torch.ops.fa3_fwd_renamed._flash_attn_forward"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    why = fp8_attention.why_not(torch.device("cuda"))
+    assert "has no torch.ops.fa3_fwd_renamed._flash_attn_forward" in why and "pip install fa3-fwd" in why
