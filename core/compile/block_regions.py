@@ -31,8 +31,9 @@ import dataclasses
 
 import torch
 
-from .attention import OVERRIDE_KEY, sdpa_cudnn_first
-from .fp8_attention import SCALES_KEY, qk_scales, sdpa_fp8
+from .attention import OVERRIDE_KEY
+from .fp8_attention import SCALES_KEY, qk_scales
+from .options import OWN_ATTENTION  # the override a region puts back, by the name it takes (a constant input)
 
 DOUBLE = "double_block"
 SINGLE = "single_block"
@@ -59,15 +60,12 @@ def _single(block, img, vec_layout, vec_tensors, pe, attn_mask, transformer_opti
                  transformer_options=_with_attention(block, transformer_options, own_attention))
 
 
-_OWN = {"cudnn": sdpa_cudnn_first, "fp8": sdpa_fp8}  # FluxAccel's attention overrides, by the name a region takes
-
-
 def _with_attention(block, options: dict, own_attention: str) -> dict:
     """FluxAccel's attention override is put back inside the region rather than passed in (see the module's notes);
     FP8 attention also takes this block's Q/K scales from its QK-norm weights (fp8_attention.py)."""
     if not own_attention:
         return options
-    out = {**options, OVERRIDE_KEY: _OWN[own_attention]}
+    out = {**options, OVERRIDE_KEY: OWN_ATTENTION[own_attention]}
     if own_attention == "fp8":
         scales = qk_scales(block)
         if scales is not None:
@@ -121,7 +119,7 @@ def _take(layout, tensors: tuple, i: int):
 def _shared_options(options: dict | None) -> tuple[dict, str]:
     """(the options every block of a kind shares, the name of FluxAccel's attention override in them or '')."""
     shared = {k: v for k, v in (options or {}).items() if k not in _PER_BLOCK_KEYS}
-    own = next((name for name, fn in _OWN.items() if shared.get(OVERRIDE_KEY) is fn), "")
+    own = next((name for name, fn in OWN_ATTENTION.items() if shared.get(OVERRIDE_KEY) is fn), "")
     if own:
         del shared[OVERRIDE_KEY]
     return shared, own

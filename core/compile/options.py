@@ -15,6 +15,7 @@ import logging
 
 from ..errors import FluxAccelError
 from .attention import OVERRIDE_KEY, sdpa_cudnn_first
+from .fp8_attention import sdpa_fp8
 
 log = logging.getLogger("fluxaccel.compile")
 
@@ -22,6 +23,7 @@ CHECKED: tuple[str, ...] = ("patches", "patches_replace", "wrappers")
 NOT_READ: tuple[str, ...] = ("cond_or_uncond", "uuids", "sigmas", "sample_sigmas", "multigpu_thread_device",
                              "callbacks")
 KNOWN_READ: tuple[str, ...] = ("rope_options", OVERRIDE_KEY, "prefetch_dynamic_vbars")
+OWN_ATTENTION = {"cudnn": sdpa_cudnn_first, "fp8": sdpa_fp8}  # FluxAccel's attention overrides, by config name
 _named_unknown: set[str] = set()
 
 
@@ -40,8 +42,7 @@ def refuse_unsupported(control, transformer_options: dict, kwargs: dict, regions
                              "workflow's conditioning carries one: set attention to 'cudnn' on the Compile node "
                              "(FluxAccel) for this workflow.")
     theirs = transformer_options.get(OVERRIDE_KEY)
-    ours = getattr(theirs, "__module__", "").startswith(__package__)  # FluxAccel's own (attention.py, fp8_attention.py)
-    if attention == "fp8" and theirs is not None and not ours:
+    if attention == "fp8" and theirs is not None and theirs not in OWN_ATTENTION.values():
         raise FluxAccelError(f"The Compile node's attention 'fp8' and an attention override another node set "
                              f"({getattr(theirs, '__name__', type(theirs).__name__)}) cannot both run: set attention "
                              f"to 'cudnn' on the Compile node (FluxAccel), or remove the other node.")
@@ -75,11 +76,7 @@ def passed(transformer_options: dict) -> dict:
 def attention_override(attention: str):
     """The attention FluxAccel compiles with: cuDNN-first SDPA (attention.py) or FP8 FlashAttention-3
     (fp8_attention.py)."""
-    if attention == "fp8":
-        from .fp8_attention import sdpa_fp8
-
-        return sdpa_fp8
-    return sdpa_cudnn_first
+    return OWN_ATTENTION[attention]
 
 
 def call_options(transformer_options: dict, regions=None, attention=sdpa_cudnn_first) -> dict:
