@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .compile.patch import compiled_of, remove_compile
 from .quant.patch import fp8_state, remove_fp8
+from .quant.static_scales import remove_static_scales, static_scales_state
 from .upstream import degradations
 
 
@@ -22,13 +23,14 @@ def compute_dtype(model) -> str:
 def label(model) -> str:
     """e.g. 'bf16', 'fp32' (what the model computes in), 'fp8-per_row', 'fp8-per_row+compile+graphs',
     'fp8-per_row-plain+compile+graphs+regions', 'fp8-per_row-plain-blocks+modulation' (the scope is named when it is
-    not the default 'blocks'), '...+regions+fp8-attention'. '+graphs' only where CUDA graphs run: not on the CPU, not under cudaMallocAsync."""
+    not the default 'blocks'), 'fp8-per_row-plain-static+...' (static activation scales, Warmup),
+    '...+regions+fp8-attention'. '+graphs' only where CUDA graphs run: not on the CPU, not under cudaMallocAsync."""
     fp8 = fp8_state(model)
     name = compute_dtype(model)
     if fp8:
         c = fp8.config
         name = f"fp8-{c.granularity}" + ("-plain" if c.layout == "plain" else "") + \
-            ("" if c.scope == "blocks" else f"-{c.scope}")
+            ("" if c.scope == "blocks" else f"-{c.scope}") + ("-static" if static_scales_state(model) else "")
     c = compiled_of(model)
     if c is not None:
         name += "+compile" + ("+graphs" if c.graphs_running else "")  # only where graphs run (CUDA, none dropped)
@@ -48,6 +50,11 @@ def describe(model) -> dict:
         r = fp8.report
         out["fp8"] = {"granularity": r.granularity, "scope": r.scope, "layout": r.layout,
                       "quantized": len(r.quantized), "bytes_saved": r.bytes_saved}
+        static = static_scales_state(model)
+        if static:
+            out["fp8"]["static_activation_scales"] = {
+                "linears": len(static.keys) - len(static.dynamic), "dynamic": len(static.dynamic),
+                "headroom": static.config.headroom, "calibration": static.calibration}
     c = compiled_of(model)
     if c is not None:
         st = c.stats
@@ -75,4 +82,4 @@ def describe(model) -> dict:
 
 def strip(model):
     """The same model with every FluxAccel patch removed (the Benchmark's default baseline)."""
-    return remove_fp8(remove_compile(model))
+    return remove_fp8(remove_static_scales(remove_compile(model)))

@@ -5,6 +5,7 @@ from comfy_api.latest import io, ui
 
 from ..core.compile.patch import compiled_of
 from ..core.compile.warmup import TICKS, parse_resolutions, warmup
+from ..core.quant.static_scales import StaticScalesConfig, static_scales_state
 from . import ids
 from .events import progress_text
 from .validation import parses
@@ -53,6 +54,13 @@ class Warmup(io.ComfyNode):
                 io.Float.Input("cfg", default=1.0, min=1.0, max=30.0, step=0.1,
                                tooltip="The KSampler cfg you will use: 1 runs batch 1, above 1 runs cond+uncond (batch 2)."),
                 io.Int.Input("steps", default=2, min=1, max=100, tooltip="Sampling steps per shape (2 compiles and captures)."),
+                io.Combo.Input("activation_scales", options=["dynamic", "static"], default="dynamic", optional=True,
+                               tooltip="FP8 activation scales. dynamic: each call's own (Quantize FP8's). static "
+                                       "(opt-in; needs Quantize FP8 with layout plain and your positive conditioning "
+                                       "connected): first samples every listed size uncompiled for `steps` steps -- set "
+                                       "them to your KSampler's steps -- and fixes each FP8 Linear's activation scale "
+                                       "from the largest value seen (2x headroom; larger values saturate): ~5 % "
+                                       "faster per step. Its error shows in the Benchmark node."),
                 io.Conditioning.Input("positive", optional=True, tooltip="Your positive conditioning (sets the text length)."),
                 io.Conditioning.Input("negative", optional=True, tooltip="Your negative conditioning."),
             ],
@@ -67,19 +75,24 @@ class Warmup(io.ComfyNode):
         return parses(parse_resolutions, resolutions)
 
     @classmethod
-    def execute(cls, model, resolutions, batch_size, text_length, cfg, steps, positive=None, negative=None) -> io.NodeOutput:
+    def execute(cls, model, resolutions, batch_size, text_length, cfg, steps, activation_scales="dynamic",
+                positive=None, negative=None) -> io.NodeOutput:
         res = parse_resolutions(resolutions)
-        bar = _Bar(len(res) * steps, cls.hidden.unique_id)
+        static = StaticScalesConfig() if activation_scales == "static" else None
+        bar = _Bar(len(res) * steps * (2 if static else 1), cls.hidden.unique_id)  # static: calibration runs first
         warmed, secs = warmup(model, res, batch_size, text_length, cfg, steps, positive, negative,
-                              on_step=bar.step, on_compile=bar.compiling)
+                              on_step=bar.step, on_compile=bar.compiling, static_scales=static)
         text = "\n".join(ready_lines(warmed, secs))
         return io.NodeOutput(warmed, ui=ui.PreviewText(text))
 
 
 def ready_lines(model, seconds: dict[str, float]) -> list[str]:
-    """Per shape: its compile time (the figure the compile's progress ended with) and the whole warm-up sampling."""
+    """Per shape: its compile time (the figure the compile's progress ended with) and the whole warm-up sampling; the
+    static activation scales, where calibrated."""
     compiled = compiled_of(model)
     compile_s = {k.describe(): v for k, v in compiled.stats.compile_seconds.items()} if compiled is not None else {}
-    return [f"{shape}: compiled in {compile_s[shape]:.1f} s; warm-up sampling done after {s:.1f} s" if shape in compile_s
-            else f"{shape}: warm-up sampling done after {s:.1f} s (not compiled: see the log)"
-            for shape, s in seconds.items()]
+    static = static_scales_state(model)
+    shapes = [f"{shape}: compiled in {compile_s[shape]:.1f} s; warm-up sampling done after {s:.1f} s" if shape in compile_s
+              else f"{shape}: warm-up sampling done after {s:.1f} s (not compiled: see the log)"
+              for shape, s in seconds.items()]
+    return ([static.summary()] if static else []) + shapes

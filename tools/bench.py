@@ -90,11 +90,18 @@ def core_prompt(unet_name: str) -> dict:
     p["11"] = _node("FluxAccelCompile", "Compile (defaults, attention fp8)", model=["6", 0], cuda_graphs=True,
                     mode="default", resolution_policy="strict", max_shapes=4, persistent_cache=True,
                     clear_cache=False, block_regions=True, attention="fp8")
+    # static activation scales (Warmup calibrates them over the case's steps with the rows' conditioning), on the
+    # default and on attention fp8; build_prompt sets each Warmup's size and steps to the case's
+    for nid, src, title in (("12", "7", "defaults"), ("13", "11", "attention fp8")):
+        p[nid] = _node("FluxAccelWarmup", f"Warmup (static activation scales, {title})", model=[src, 0],
+                       resolutions="1024x1024", batch_size=1, text_length=512, cfg=1.0, steps=28,
+                       activation_scales="static", positive=["2", 0])
     rows = [("3", "core TorchCompileModel", "core-torchcompile"),
             ("5", "core fp8_e4m3fn_fast + TorchCompileModel", "core-fp8_e4m3fn_fast+torchcompile"),
             ("7", "FluxAccel default", ""), ("9", "FluxAccel best (blocks+modulation)", ""),
             ("10", "FluxAccel fastest (blocks+modulation, no block regions)", ""),
-            ("11", "FluxAccel attention fp8", "")]
+            ("11", "FluxAccel attention fp8", ""), ("12", "FluxAccel static activation scales", ""),
+            ("13", "FluxAccel static activation scales + attention fp8", "")]
     for i, (model, title, label) in enumerate(rows):
         p[str(20 + i)] = _node("FluxAccelBenchmark", f"Benchmark {title}", model=[model, 0], baseline=["1", 0],
                                positive=["2", 0], text_length=512, width=1024, height=1024, steps=28, runs=3,
@@ -131,7 +138,24 @@ def build_prompt(case: dict, unet_name: str, runs: int, suite: str = "fp8") -> d
         if node["class_type"] == "FluxAccelBenchmark":
             node["inputs"].update(width=case["width"], height=case["height"], steps=case["steps"], runs=runs,
                                   text_length=case["text_length"])
+        if node["class_type"] == "FluxAccelWarmup" and node["inputs"].get("activation_scales") == "static":
+            node["inputs"].update(resolutions=f"{case['width']}x{case['height']}", steps=case["steps"],
+                                  text_length=case["text_length"])
     return prompt
+
+
+def only_benchmarks(prompt: dict, only: list[str]) -> dict:
+    """The prompt with the Benchmark nodes whose title contains one of `only`, and without the Warmup nodes (output
+    nodes: ComfyUI would run them all the same) that none of those needs."""
+    kept = {k: v for k, v in prompt.items()
+            if v["class_type"] != "FluxAccelBenchmark" or any(o in v.get("_meta", {}).get("title", "") for o in only)}
+    needed, todo = set(), [k for k, v in kept.items() if v["class_type"] == "FluxAccelBenchmark"]
+    while todo:
+        k = todo.pop()
+        if k not in needed:
+            needed.add(k)
+            todo += [v[0] for v in kept[k]["inputs"].values() if isinstance(v, list) and len(v) == 2 and v[0] in kept]
+    return {k: v for k, v in kept.items() if v["class_type"] != "FluxAccelWarmup" or k in needed}
 
 
 def _row_name(row: dict, case: dict) -> str:
@@ -250,9 +274,7 @@ def main(argv=None) -> int:
         server_args += list(host.CPU_SERVER_ARGS)
     prompt = build_prompt(case, unet_name, runs, a.suite)
     if a.only:
-        prompt = {k: v for k, v in prompt.items()
-                  if v["class_type"] != "FluxAccelBenchmark" or any(o in v.get("_meta", {}).get("title", "")
-                                                                     for o in a.only)}
+        prompt = only_benchmarks(prompt, a.only)
     out = Path(a.out) if a.out else ROOT / ("bench/results" if gpu else ".cache/bench-results")
     out.mkdir(parents=True, exist_ok=True)
     tag = "cpu" if not gpu else gpu.lower().replace(" ", "-")

@@ -4,7 +4,7 @@ timed by ComfyUI itself (its execution_start → execution_success timestamps), 
     python tools/first_prompts.py --case klein9b-1024-4                 # FluxAccel default first, then core eager
     python tools/first_prompts.py --case dev-1024-28 --configs fluxaccel eager torchcompile --restart
 
-Each prompt is UNETLoader → [Quantize FP8 → Compile | TorchCompileModel] → KSampler → SaveLatent with synthetic
+Each prompt is UNETLoader → [Quantize FP8 → Compile (→ Warmup) | TorchCompileModel] → KSampler → SaveLatent with synthetic
 conditioning. The configurations run in the order given, in one server: the first one's first prompt is the server's
 first (what a user meets after starting ComfyUI); later ones share ComfyUI's cached UNETLoader output, as a user's
 second workflow on the same server would. The second prompt of each (another seed) is its steady state. The JSON says
@@ -50,6 +50,19 @@ CONFIGS = {
                 ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
                                            "max_shapes": 4, "persistent_cache": True, "block_regions": True,
                                            "attention": "fp8"})],
+    # Warmup's static activation scales (calibrated over the case's steps on the prompt's conditioning, node "2")
+    "static": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
+               ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
+                                          "max_shapes": 4, "persistent_cache": True, "block_regions": True}),
+               ("9", "FluxAccelWarmup", {"batch_size": 1, "cfg": 1.0, "activation_scales": "static",
+                                         "positive": ["2", 0]})],
+    "static-fp8attn": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
+                       ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default",
+                                                  "resolution_policy": "strict", "max_shapes": 4,
+                                                  "persistent_cache": True, "block_regions": True,
+                                                  "attention": "fp8"}),
+                       ("9", "FluxAccelWarmup", {"batch_size": 1, "cfg": 1.0, "activation_scales": "static",
+                                                 "positive": ["2", 0]})],
     "eager": [],
     "torchcompile": [("5", "TorchCompileModel", {"backend": "inductor"})],
     # core's fp8_e4m3fn_fast + TorchCompileModel: the loader with weight_dtype fp8_e4m3fn_fast (its own node, "1f")
@@ -80,6 +93,9 @@ def prompt_for(config: str, case: dict, unet_name: str, seed: int, flux2: bool, 
         p["1f"] = loader("fp8_e4m3fn_fast")
         model = ["1f", 0]
     for nid, cls, inputs in CONFIGS[config]:
+        if cls == "FluxAccelWarmup":  # warmed (and calibrated) at the case's size, steps and text length
+            inputs = {**inputs, "resolutions": f"{case['width']}x{case['height']}", "steps": case["steps"],
+                      "text_length": case["text_length"]}
         p[f"{config}-{nid}"] = {"class_type": cls, "inputs": {"model": model, **inputs}}
         model = [f"{config}-{nid}", 0]
     p["7"] = {"class_type": "KSampler", "inputs": {

@@ -83,9 +83,12 @@ def model_variant(model) -> str:
     """What the compiled graph depends on beyond the base module's parameters: FluxAccel's FP8 config and the
     modules other object patches swap in at load time (the persistent compile cache is keyed by it)."""
     from ..quant.patch import fp8_state
+    from ..quant.static_scales import static_scales_state
 
     st = fp8_state(model)
     fp8 = st.config.key() if st else None
+    if st and static_scales_state(model):  # the activations' quantization is another graph (the scales are inputs)
+        fp8 = [*fp8, "static-activation-scales"]
     swapped = sorted(k for k, v in model.object_patches.items() if isinstance(v, torch.nn.Module))
     return repr((fp8, swapped))
 
@@ -156,6 +159,20 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
         compiled.stats.degrade("block_regions", regions_off)
     clone.add_callback_with_key(on_load_callback_type(), COMPILE_KEY, partial_load_guard(node))
     return _install(clone, compiled)
+
+
+def recompiled(model):
+    """(model, its CompiledFlux): `model` (a clone its caller made, running other modules than the compiled model it
+    came from, e.g. Warmup's static activation scales) with a CompiledFlux of its own: the same config, its own
+    compiled callable, caches and stats, what ran below the config carried over. (model, None) if it is not compiled."""
+    old = compiled_of(model)
+    if old is None:
+        return model, None
+    compiled = CompiledFlux(old._dm, old.cfg, old.device, variant=model_variant(model),
+                            layout=model_layout(model), scale=old.scale, references=old.references)
+    compiled.stats.graphs_off_reason = old.stats.graphs_off_reason
+    compiled.stats.degradations = [d for d in old.stats.degradations if d.kind == "off"]
+    return _install(model, compiled)
 
 
 def compiled_of(model) -> CompiledFlux | None:

@@ -11,13 +11,15 @@ import torch
 
 from .shapes import ShapeKey, dtype_name, references
 from .progress import Report
-from .patch import with_own_shapes
+from .patch import recompiled, remove_compile, with_own_shapes
 from ..errors import FluxAccelError
 from ..models.flux import latent_scale, require_flux
 from ..models.synthetic import synthetic_conditioning_for
+from ..quant.static_scales import StaticScalesConfig, calibrate, with_observers
 
 log = logging.getLogger("fluxaccel.warmup")
 
+NODE = "Warmup (FluxAccel)"
 TICKS = 100  # the Warmup node's progress-bar units per sampling step: its bar also moves inside a step that compiles
 
 
@@ -71,44 +73,83 @@ def text_tokens(model, context: torch.Tensor) -> int:
         return int(context.shape[1])
 
 
-def warmup(model, resolutions: list[tuple], batch_size: int = 1, text_length: int = 256, cfg: float = 1.0,
-           steps: int = 2, positive=None, negative=None, sampler: str = "euler", scheduler: str = "simple",
-           on_step: Callable[[], None] | None = None, on_compile: Report | None = None):
-    """Sample `steps` steps at each resolution (with its reference-image sizes, if it lists any). Returns (model, {shape description: seconds of its first sampling
-    run}): a clone whose compiled model allows these shapes; the input model (the Compile node's output) keeps its
-    own shapes and policy, also when warming up fails. on_compile(text, seconds): every second while a shape
-    compiles (compile_progress.py)."""
-    import comfy.sample
-
-    dm = require_flux(model, "Warmup (FluxAccel)")
-    model, compiled = with_own_shapes(model)
-    if positive is None:
-        positive = synthetic_conditioning_for(dm, text_length)
-    if negative is None:
-        negative = synthetic_conditioning_for(dm, positive[0][0].shape[1], seed=1)
+def _shapes(model, resolutions: list[tuple], batch_size: int, cfg: float, positive, negative):
+    """Per resolution (with its reference-image sizes, if it lists any): (its ShapeKey, positive, negative, latent)."""
     text_len = text_tokens(model, positive[0][0])
     model_batch = batch_size * (2 if cfg > 1 else 1)  # ComfyUI batches cond and uncond into one call
     dtype = model.model.get_dtype() if model.model.manual_cast_dtype is None else model.model.manual_cast_dtype
     ch = model.model.latent_format.latent_channels
     scale = latent_scale(model)
-    seconds = {}
     for w, h, *listed in resolutions:
         pos, neg = positive, negative
         if listed:
             pos, neg = (_with_references(c, listed[0], ch, scale) for c in (positive, negative))
         refs, method = references(pos[0][1].get("reference_latents"), pos[0][1].get("reference_latents_method"))
         key = ShapeKey(model_batch, h // scale, w // scale, text_len, dtype_name(dtype), refs, method, scale)
+        yield key, pos, neg, torch.zeros(batch_size, ch, h // scale, w // scale)
+
+
+def _sample(model, pos, neg, latent, steps: int, cfg: float, sampler: str, scheduler: str, on_step):
+    import comfy.sample
+
+    comfy.sample.sample(model, comfy.sample.prepare_noise(latent, 0), steps, cfg, sampler, scheduler, pos, neg, latent,
+                        callback=(lambda *a: on_step()) if on_step else None, disable_pbar=True, seed=0)
+
+
+def _with_static_scales(model, scales: StaticScalesConfig, shapes: list, steps: int, cfg: float, sampler: str,
+                        scheduler: str, on_step):
+    """A clone of `model` with static activation scales calibrated by sampling every shape uncompiled (the
+    workflow's conditioning, its steps), and a compiled model of its own (compile/patch.py recompiled)."""
+    clone, wrappers = with_observers(model, NODE)
+    eager = remove_compile(clone)  # the same wrappers, uncompiled: they observe
+
+    def run():
+        for _key, pos, neg, latent in shapes:
+            _sample(eager, pos, neg, latent, steps, cfg, sampler, scheduler, on_step)
+
+    sizes = ", ".join(key.describe() for key, *_ in shapes)
+    calibrate(clone, wrappers, scales, run, f"{sizes}; {steps} {sampler}/{scheduler} steps, cfg {cfg:g}, the "
+                                            f"workflow's conditioning")
+    return recompiled(clone)[0]
+
+
+def warmup(model, resolutions: list[tuple], batch_size: int = 1, text_length: int = 256, cfg: float = 1.0,
+           steps: int = 2, positive=None, negative=None, sampler: str = "euler", scheduler: str = "simple",
+           on_step: Callable[[], None] | None = None, on_compile: Report | None = None,
+           static_scales: StaticScalesConfig | None = None):
+    """Sample `steps` steps at each resolution (with its reference-image sizes, if it lists any). Returns (model, {shape
+    description: seconds of its first sampling run}): a clone whose compiled model allows these shapes; the input model
+    (the Compile node's output) keeps its own shapes and policy, also when warming up fails. on_compile(text, seconds):
+    every second while a shape compiles (compile_progress.py).
+
+    static_scales: first calibrate static FP8 activation scales (quant/static_scales.py) over `steps` steps at each
+    resolution with the workflow's own conditioning (positive, and negative with cfg > 1, must be given); the returned
+    clone runs them, compiled on its own."""
+    dm = require_flux(model, NODE)
+    if static_scales is not None:
+        if positive is None or (cfg > 1 and negative is None):
+            missing = "positive" if positive is None else "negative (cfg > 1)"
+            raise FluxAccelError(f"{NODE}: activation_scales 'static' calibrates on your prompts' conditioning: "
+                                 f"connect {missing}, or set activation_scales 'dynamic'.")
+    if positive is None:
+        positive = synthetic_conditioning_for(dm, text_length)
+    if negative is None:
+        negative = synthetic_conditioning_for(dm, positive[0][0].shape[1], seed=1)
+    if static_scales is not None:
+        model = _with_static_scales(model, static_scales, list(_shapes(model, resolutions, batch_size, cfg, positive,
+                                                                       negative)),
+                                    steps, cfg, sampler, scheduler, on_step)
+    model, compiled = with_own_shapes(model)
+    seconds = {}
+    for key, pos, neg, latent in _shapes(model, resolutions, batch_size, cfg, positive, negative):
         if compiled is not None:
             compiled.register_shape(key)
-        latent = torch.zeros(batch_size, ch, h // scale, w // scale)
-        noise = comfy.sample.prepare_noise(latent, 0)
         t0 = time.perf_counter()
         before = compiled.on_progress if compiled is not None else None
         if compiled is not None and on_compile is not None:
             compiled.on_progress = on_compile
         try:
-            comfy.sample.sample(model, noise, steps, cfg, sampler, scheduler, pos, neg, latent,
-                                callback=(lambda *a: on_step()) if on_step else None, disable_pbar=True, seed=0)
+            _sample(model, pos, neg, latent, steps, cfg, sampler, scheduler, on_step)
         finally:
             if compiled is not None:
                 compiled.on_progress = before

@@ -146,18 +146,25 @@ def float8_ops():
 
 
 def fp8_linear(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-               act_kwargs, mm_config) -> torch.Tensor:
+               act_kwargs, mm_config, act_scale: torch.Tensor | None = None) -> torch.Tensor:
     """torchao's Float8Tensor linear on plain tensors: the functions its torch-kernel path calls, in its order.
 
     x: activations (..., K) in the compute dtype; w_data: FP8 weight data (N, K); w_scale: its scales, (N, 1)
     per-row or (1, 1) per-tensor; act_kwargs: the weight's QuantizeTensorToFloat8Kwargs (how torchao quantizes
     activations); mm_config: the weight's Float8MMConfig. Bit-identical to F.linear(x, Float8Tensor weight) in
     eager mode (tests/core/test_fp8.py); torchao's optional MSLK kernels (not installed here) are not used.
+
+    act_scale: a static activation scale (one float32 value, static_scales.py) instead of each call's absmax: the same
+    value in every position of the scale torchao would compute (per row or per tensor), so the GEMM is unchanged and
+    the quantization is a pointwise cast (torchao's quantize clamps to the FP8 range: larger values saturate).
     """
     ao = _AO or float8_ops()
     block = list(ao.get_block_size(x.shape, act_kwargs.granularity))
-    x_scale = ao.choose_scale(x, float8_dtype=act_kwargs.float8_dtype, block_size=block,
-                              hp_value_lb=act_kwargs.hp_value_lb, hp_value_ub=act_kwargs.hp_value_ub)
+    if act_scale is None:
+        x_scale = ao.choose_scale(x, float8_dtype=act_kwargs.float8_dtype, block_size=block,
+                                  hp_value_lb=act_kwargs.hp_value_lb, hp_value_ub=act_kwargs.hp_value_ub)
+    else:
+        x_scale = act_scale.reshape([1] * x.dim()).expand([n // b for n, b in zip(x.shape, block)]).contiguous()
     x_data = ao.quantize(x, x_scale, act_kwargs.float8_dtype)
     a, b = ao.preprocess_data(x_data.reshape(-1, x_data.shape[-1]), w_data.t(), mm_config)
     out = ao.addmm(a, ao.preprocess_scale(x_scale, x.shape), b, w_scale.t(),

@@ -58,3 +58,25 @@ def test_headless_fp8_suite_on_the_cpu(tmp_path, e2e_model_file):
     _check_rows(rows)
     for name in list(rows)[1:]:
         assert 0 < rows[name]["denoiser_rel_err"] < 0.1
+
+
+def test_core_suite_warms_static_scales_at_the_case_and_only_runs_the_warmups_it_needs():
+    """The core suite's static-scales rows: their Warmup nodes calibrate at the case's size and steps with inputs the
+    node has; --only keeps a Warmup node (an output node, which ComfyUI would run anyway) only where a kept Benchmark
+    needs it."""
+    from fluxaccel.nodes.warmup import Warmup
+    from tools.bench import CASES, build_prompt, only_benchmarks
+
+    case = CASES["schnell-512-4"]
+    prompt = build_prompt(case, "model.safetensors", 1, "core")
+    warmups = {k: v for k, v in prompt.items() if v["class_type"] == "FluxAccelWarmup"}
+    assert len(warmups) == 2
+    names = {i.id for i in Warmup.define_schema().inputs}
+    for node in warmups.values():
+        assert set(node["inputs"]) <= names
+        assert node["inputs"]["resolutions"] == f"{case['width']}x{case['height']}"
+        assert node["inputs"]["steps"] == case["steps"] and node["inputs"]["activation_scales"] == "static"
+    assert not any(v["class_type"] == "FluxAccelWarmup" for v in only_benchmarks(prompt, ["FluxAccel default"]).values())
+    kept = only_benchmarks(prompt, ["FluxAccel default", "static activation scales + attention"])
+    assert [v["inputs"]["model"] for v in kept.values() if v["class_type"] == "FluxAccelWarmup"] == [["11", 0]]
+    assert sum(v["class_type"] == "FluxAccelBenchmark" for v in kept.values()) == 2

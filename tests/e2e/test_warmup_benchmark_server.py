@@ -63,5 +63,38 @@ def test_warmup_then_benchmark(server):
     assert again["outputs"]["4"]["fluxaccel_json"] != out["fluxaccel_json"]
 
 
+def test_static_activation_scales_through_warmup_then_benchmark(server):
+    """Quantize FP8 -> Compile -> Warmup (activation_scales static, calibrated on the prompt's conditioning) ->
+    Benchmark, over /prompt: the Warmup says what it calibrated, the Benchmark's row names the static scales and
+    measures its error against eager, and every call of the Benchmark ran compiled at the warmed shape."""
+    prompt = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": E2E_UNET, "weight_dtype": "default"}},
+        "2": {"class_type": "FluxAccelSyntheticConditioning",
+              "inputs": {"model": ["1", 0], "text_length": 16, "guidance": 3.5, "seed": 0}},
+        "5": {"class_type": "FluxAccelQuantizeFP8",
+              "inputs": {"model": ["1", 0], "granularity": "per_row", "scope": "blocks", "layout": "plain"}},
+        "6": {"class_type": "FluxAccelCompile", "inputs": {"model": ["5", 0], "cuda_graphs": True, "mode": "default",
+                                                           "resolution_policy": "strict", "max_shapes": 4}},
+        "7": {"class_type": "FluxAccelWarmup", "inputs": {
+            "model": ["6", 0], "resolutions": "64x64", "batch_size": 1, "text_length": 16, "cfg": 1.0, "steps": 2,
+            "activation_scales": "static", "positive": ["2", 0]}},
+        "8": {"class_type": "FluxAccelBenchmark", "inputs": {
+            "model": ["7", 0], "positive": ["2", 0], "text_length": 16, "width": 64, "height": 64, "steps": 2,
+            "runs": 1, "seed": 0, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "label": ""}},
+    }
+    hist = server.run(prompt)
+    warm_text = hist["outputs"]["7"]["text"][0]
+    assert "static FP8 activation scales on " in warm_text and "calibrated on batch 1, latent 8x8" in warm_text
+    assert "compiled in " in warm_text
+    res = json.loads((server.output_dir / hist["outputs"]["8"]["fluxaccel_json"][0]).read_text())
+    accel = res["results"][1]
+    assert accel["config"].startswith("fp8-per_row-plain-static+compile")
+    static = accel["extra"]["fp8"]["static_activation_scales"]
+    assert static["linears"] == accel["extra"]["fp8"]["quantized"] and static["dynamic"] == 0
+    assert 0 < accel["denoiser_rel_err"] < 0.1
+    comp = accel["extra"]["compile"]
+    assert len(comp["shapes"]) == 1 and comp["eager_calls"] == 0 and comp["calls"] > 0
+
+
 def _no_constants(name):
     raise ValueError(f"{name} in a results JSON")
