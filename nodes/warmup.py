@@ -59,8 +59,9 @@ class Warmup(io.ComfyNode):
                                        "(opt-in; needs Quantize FP8 with layout plain and your positive conditioning "
                                        "connected): first samples every listed size uncompiled for `steps` steps -- set "
                                        "them to your KSampler's steps -- and fixes each FP8 Linear's activation scale "
-                                       "from the largest value seen (2x headroom; larger values saturate): ~5 % "
-                                       "faster per step. Its error shows in the Benchmark node."),
+                                       "from the largest value seen (2x headroom; larger values saturate): ~4 % "
+                                       "faster per step at FLUX.1-dev 1024² on an H200. Its error shows in the "
+                                       "Benchmark node."),
                 io.Conditioning.Input("positive", optional=True, tooltip="Your positive conditioning (sets the text length)."),
                 io.Conditioning.Input("negative", optional=True, tooltip="Your negative conditioning."),
             ],
