@@ -61,7 +61,8 @@ class Warmup(io.ComfyNode):
                                        "them to your KSampler's steps -- and fixes each FP8 Linear's activation scale "
                                        "from the largest value seen (2x headroom; larger values saturate): ~4 % "
                                        "faster per step at FLUX.1-dev 1024² on an H200. Its error shows in the "
-                                       "Benchmark node."),
+                                       "Benchmark node. A new conditioning runs the calibration again: connect a "
+                                       "fixed, typical prompt of your own here rather than the one you edit."),
                 io.Conditioning.Input("positive", optional=True, tooltip="Your positive conditioning (sets the text length)."),
                 io.Conditioning.Input("negative", optional=True, tooltip="Your negative conditioning."),
             ],

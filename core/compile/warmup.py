@@ -136,9 +136,8 @@ def warmup(model, resolutions: list[tuple], batch_size: int = 1, text_length: in
     if negative is None:
         negative = synthetic_conditioning_for(dm, positive[0][0].shape[1], seed=1)
     if static_scales is not None:
-        model = _with_static_scales(model, static_scales, list(_shapes(model, resolutions, batch_size, cfg, positive,
-                                                                       negative)),
-                                    steps, cfg, sampler, scheduler, on_step)
+        shapes = list(_shapes(model, resolutions, batch_size, cfg, positive, negative))
+        model = _with_static_scales(model, static_scales, shapes, steps, cfg, sampler, scheduler, on_step)
     model, compiled = with_own_shapes(model)
     seconds = {}
     for key, pos, neg, latent in _shapes(model, resolutions, batch_size, cfg, positive, negative):

@@ -1,7 +1,7 @@
 """Static FP8 activation scales (opt-in, set by the Warmup node): each FP8 Linear quantizes its input with one scale
 fixed ahead of the call, calibrated over a real sampling run, instead of each call's row-wise absmax. The activation's
 quantization then becomes a pointwise cast that the compiled graph fuses into the kernel making the activation,
-without a reduction over each row (H200, FLUX.1-dev blocks: -4.9 % per step, the same error; bench/NOTES.md).
+without a reduction over each row (H200, FLUX.1-dev 1024²: -4 % per image, the same error; bench/NOTES.md).
 
 How it stays out of everyone else's way:
   * the scales live on StaticFp8Linear, a small module wrapping one of Quantize FP8's Linears (which it holds as a
@@ -12,8 +12,8 @@ How it stays out of everyone else's way:
   * a Linear that calibration never reached keeps dynamic scales, and the report says how many.
 
 One scale covers every step: a value beyond the calibrated range saturates at FP8's largest value (torchao's
-quantization clamps), so the scale leaves HEADROOM above the largest value seen; FP8 e4m3 keeps the same relative
-precision over its range, which costs only the smallest values of a tensor.
+quantization clamps), so the scale leaves headroom (StaticScalesConfig) above the largest value seen; FP8 e4m3 keeps
+the same relative precision over its range, so the headroom costs only the smallest values of a tensor.
 """
 from __future__ import annotations
 
