@@ -135,12 +135,12 @@ def warmup(model, resolutions: list[tuple], batch_size: int = 1, text_length: in
         positive = synthetic_conditioning_for(dm, text_length)
     if negative is None:
         negative = synthetic_conditioning_for(dm, positive[0][0].shape[1], seed=1)
+    shapes = list(_shapes(model, resolutions, batch_size, cfg, positive, negative))
     if static_scales is not None:
-        shapes = list(_shapes(model, resolutions, batch_size, cfg, positive, negative))
         model = _with_static_scales(model, static_scales, shapes, steps, cfg, sampler, scheduler, on_step)
     model, compiled = with_own_shapes(model)
     seconds = {}
-    for key, pos, neg, latent in _shapes(model, resolutions, batch_size, cfg, positive, negative):
+    for key, pos, neg, latent in shapes:
         if compiled is not None:
             compiled.register_shape(key)
         t0 = time.perf_counter()

@@ -71,9 +71,14 @@ class _Fp8Plain(_Fp8DeviceMove):
     paths are bypassed (the FP8 GEMM returns the activation dtype itself; weight patches are refused)."""
 
     def forward(self, x, *args, **kwargs):
+        return self.fp8_forward(x)
+
+    def fp8_forward(self, x, act_scale=None):
+        """The FP8 GEMM of x, with each call's activation scales or a static one (static_scales.py)."""
         if self.weight_function or self.bias_function:
             self.convert_weight(self.weight)  # a lowvram/LoRA weight function reached an FP8 Linear: refuse
-        return fp8_linear(x, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs, self.fp8_mm_config)
+        return fp8_linear(x, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs, self.fp8_mm_config,
+                          act_scale)
 
 
 _FP8_CLASSES: dict[tuple[type, str], type] = {}

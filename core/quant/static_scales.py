@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import FluxAccelError
-from .fp8 import fp8_linear
 from .linear import is_fp8_linear
 from .patch import fp8_state
 
@@ -66,11 +65,8 @@ class StaticFp8Linear(torch.nn.Module):
                 seen = x.detach().abs().amax().float()
                 self.amax = seen if self.amax is None else torch.maximum(self.amax, seen)
             return q(x, *args, **kwargs)
-        if q.weight_function or q.bias_function:
-            q.convert_weight(q.weight)  # a LoRA or lowvram weight function reached an FP8 Linear: refused there
         # float32 again where a cast of the model rounded the buffer (the cast and the GEMM use the same value anyway)
-        return fp8_linear(x, q.weight, q.fp8_weight_scale, q.bias, q.fp8_act_kwargs, q.fp8_mm_config,
-                          self.act_scale.float())
+        return q.fp8_forward(x, self.act_scale.float())
 
     def set_scale(self, headroom: float) -> bool:
         """The static scale from the range seen (False, and dynamic scales kept, where calibration never reached it);
