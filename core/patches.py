@@ -67,6 +67,8 @@ def describe(model) -> dict:
                           "cache_loaded": st.cache_loaded, "graph_skips": sum(st.graph_skips.values()),
                           "warm_start": {k.describe(): v for k, v in st.warm_start.items()},
                           "warm_start_off": st.warm_start_off, "attention_note": st.attention_note,
+                          "separate_process": {k.describe(): v for k, v in st.separate.items()},
+                          "uncompiled_while_compiling": st.uncompiled_while_compiling,
                           "graphs_off_reason": st.graphs_off_reason,
                           "graph_rerecords": st.rerecords(),
                           "graphs_lost": {k.describe(): v for k, v in st.graphs_lost.items()},

@@ -47,6 +47,14 @@ class Compile(io.ComfyNode):
                                        "FP8 kernel (Hopper GPUs; pip install fa3-fwd), Q/K/V cast to FP8 inside the "
                                        "compiled graph: H200, FLUX.1-dev blocks: 6.7 % faster per step, slightly "
                                        "larger error (Benchmark shows it). Refused where it cannot run."),
+                io.Boolean.Input("separate_process", default=True, optional=True,
+                                 tooltip="A shape not compiled before compiles in a separate process while this model "
+                                         "runs uncompiled (the badge counts those calls); the compiled model takes "
+                                         "over at the first model call after it is ready. The first image comes at "
+                                         "uncompiled speed instead of waiting about a minute for the compile. Needs "
+                                         "the model's size once more in free GPU memory while it compiles (else it "
+                                         "compiles in the first call, and says so) and persistent_cache. Warmup and "
+                                         "Benchmark always compile before they run."),
             ],
             outputs=[io.Model.Output(tooltip="The model, compiled on first use; the input model is unchanged.")],
             hidden=[io.Hidden.unique_id],
@@ -55,11 +63,11 @@ class Compile(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, cuda_graphs, mode, resolution_policy, max_shapes, persistent_cache=True,
-                block_regions=True, attention="cudnn", **unknown) -> io.NodeOutput:
+                block_regions=True, attention="cudnn", separate_process=True, **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(unknown)
         cfg = CompileConfig(cuda_graphs=cuda_graphs, mode=mode, resolution_policy=resolution_policy,
                             max_shapes=max_shapes, persistent_cache=persistent_cache,
-                            block_regions=block_regions, attention=attention)
+                            block_regions=block_regions, attention=attention, separate_process=separate_process)
         clone, compiled = apply_compile(model, cfg)
         compiled.on_compiled = compiled_notifier(cls.hidden.unique_id)
         compiled.on_progress = progress_text(cls.hidden.unique_id)

@@ -23,6 +23,9 @@ def compiled_state(compiled) -> dict:
         "graphs_lost": "; ".join(f"{k.describe()}: {v}" for k, v in st.graphs_lost.items()),
         "graphs_off": "cudaMallocAsync: start ComfyUI with --disable-cuda-malloc" if st.graphs_off_reason else "",
         "compile_seconds": [round(v, 1) for v in st.compile_seconds.values()],
+        # shapes compiling in a separate process right now, and the calls that ran uncompiled meanwhile
+        "compiling": [k.describe() for k, v in st.separate.items() if v.startswith("compiling")],
+        "uncompiled_calls": st.uncompiled_while_compiling,
         # what runs below what was asked (the model's own list, then upstream internals this process lacks): the badge
         # says how many, its tooltip and the Compile node's text what
         "degradations": [d.line() for d in st.degradations] + degradations(),

@@ -31,6 +31,9 @@ function badgeText(b) {
     parts.push(b.graphs ? "CUDA graphs on" : b.graphsOff ? `CUDA graphs off (${b.graphsOff})`
       : b.graphsLost ? "CUDA graphs lost (re-record limit)" : "CUDA graphs off");
   }
+  if (b.compiling?.length) {
+    parts.push(`compiling ${b.compiling.join(", ")} in a separate process: ${b.uncompiledCalls || 0} call(s) ran uncompiled`);
+  }
   if (b.speedup) parts.push(`${b.speedup} vs its baseline`); // the Benchmark table's own cell: one rounding
   if (b.degraded) parts.push(`${b.degraded} degraded: ${(b.degradations || []).join("; ") || "see the log"}`);
   return parts.join(" | ");
@@ -63,7 +66,8 @@ function toast(summary, detail) {
 
 function compiledPatch(state) {
   return { shapes: state.short, graphs: state.graphs, graphsOff: state.graphs_off, graphsLost: state.graphs_lost,
-           degraded: state.degraded, degradations: state.degradations };
+           degraded: state.degraded, degradations: state.degradations, compiling: state.compiling,
+           uncompiledCalls: state.uncompiled_calls };
 }
 
 api.addEventListener("fluxaccel.compiled", ({ detail }) => {

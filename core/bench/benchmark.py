@@ -9,6 +9,7 @@ amplifies rounding over many sampling steps, so the final latent's error is repo
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import statistics
@@ -157,6 +158,19 @@ def unique_labels(models: list[tuple[str, object]]) -> list[tuple[str, object]]:
     return out
 
 
+@contextlib.contextmanager
+def _compiling_here(models):
+    """The compiled models among `models` compile in their first call, in this process (CompiledFlux.compiling_here)."""
+    from ..compile.patch import compiled_of
+
+    with contextlib.ExitStack() as stack:
+        for _, m in models:
+            compiled = compiled_of(m)
+            if compiled is not None:
+                stack.enter_context(compiled.compiling_here())
+        yield
+
+
 def _first_runs(models, case: BenchCase, positive, negative, latent, say, on_step) -> tuple[dict, dict, dict]:
     """Each model's first run (load, compile or cache load, capture): seconds, CUDA graphs skipped, final latent.
     The accelerated models run before the baseline, so that an accelerated model's first run is what a fresh ComfyUI
@@ -214,8 +228,9 @@ def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negat
     say = on_progress or (lambda msg: log.info("%s", msg))
     models = unique_labels(models)
     latent = empty_latent(models[0][1], case)
-    first, skips, latents = _first_runs(models, case, positive, negative, latent, say, on_step)
-    times, steps, peaks = _timed_runs(models, case, positive, negative, latent, say, on_step)
+    with _compiling_here(models):  # the first run's cost is the compile's (or waits for a separate one running)
+        first, skips, latents = _first_runs(models, case, positive, negative, latent, say, on_step)
+        times, steps, peaks = _timed_runs(models, case, positive, negative, latent, say, on_step)
     say("fidelity: denoiser forwards at sigmas " + ", ".join(map(str, FIDELITY_SIGMAS)))
     den = {label: denoiser_outputs(m, case, positive, negative) for label, m in models}
     base = models[0][0]

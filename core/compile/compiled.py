@@ -49,6 +49,8 @@ class CompiledFlux(torch.nn.Module):
         self.runner = Runner(dm, cfg.inductor_options(self.device), cfg.cuda_graphs, self.regions, packages,
                              attention=attention_override(cfg.attention))
         self.telemetry = Telemetry(self)
+        self.separate = self._separate(packages)
+        self.here = False  # compiling_here(): Warmup and Benchmark compile in this process
 
     def _persistence(self, dm, variant: str, layout: str | None):
         """The kernel cache (kernel_cache.py) and the warm-start packages (warm_start.py), as the config asks."""
@@ -70,6 +72,31 @@ class CompiledFlux(torch.nn.Module):
             self.stats.degrade("warm start", f"{why}; a restarted ComfyUI traces the model again")
             log.warning("FluxAccel: no warm-start packages: %s; a restarted ComfyUI traces the model again", why)
         return cache, None
+
+    def _separate(self, packages):
+        """The separate-process compiles (separate.py) where the config asks for them and packages carry them back."""
+        if not self.cfg.separate_process:
+            return None
+        if packages is None:
+            off = self.stats.warm_start_off or "the compile cache is off"
+            why = f"it needs warm-start packages, and there are none here ({off})"
+            self.stats.degrade("compile in a separate process", f"{why}; a new shape compiles in its first call")
+            log.warning("FluxAccel: no compile in a separate process: %s; a new shape compiles in its first call", why)
+            return None
+        from .separate import SeparateCompiles
+
+        return SeparateCompiles(packages.store, self.cfg, self.device)
+
+    @contextlib.contextmanager
+    def compiling_here(self):
+        """Within: a shape not compiled yet compiles in its call, in this process, or waits for the separate process
+        already compiling it (Warmup and Benchmark: they compile before the first prompt, and measure the compiled
+        model)."""
+        before, self.here = self.here, True
+        try:
+            yield self
+        finally:
+            self.here = before
 
     def __getattr__(self, name):
         # BaseModel reads attributes of its diffusion_model (dtype, ...) while we stand in for it
@@ -127,6 +154,10 @@ class CompiledFlux(torch.nn.Module):
         if key in self.stats.compile_seconds:
             with self.telemetry.warm_call(key, x):
                 out = self.runner(key, x, timestep, context, transformer_options, kwargs)
+        elif self._compiling_elsewhere(key, x, timestep, context, transformer_options, kwargs):
+            self.stats.eager_calls += 1  # uncompiled while a separate process compiles the shape: counted, shown
+            self.stats.uncompiled_while_compiling += 1
+            return self._dm(x, timestep, context=context, transformer_options=transformer_options, **kwargs)
         else:  # the artifacts of this compile are recorded for this model's kernel-cache file only
             recording = self.cache.recording() if self.cache is not None else contextlib.nullcontext()
             with self.telemetry.first_call(key, transformer_options, x) as watch, recording:
@@ -135,3 +166,55 @@ class CompiledFlux(torch.nn.Module):
                 self.cache.save()
         self.telemetry.count_call(self.runner.paused)
         return out
+
+    def _compiling_elsewhere(self, key, x, timestep, context, transformer_options: dict, kwargs: dict) -> bool:
+        """Whether this call runs uncompiled because a separate process compiles its shape (started at the shape's
+        first call); False once that process wrote the package (loaded in this call), or where the shape compiles
+        in this call: no separate process asked for or possible (said), compiling_here, a package on disk."""
+        if self.separate is None:
+            return False
+        job = self.separate.jobs.get(key)
+        if job is None:
+            if self.here:
+                return False
+            job = self._start_separate(key, x, timestep, context, transformer_options, kwargs)
+            if job is None:
+                return False
+        state = job.poll()
+        if state == "running" and self.here:
+            state = job.wait(self.telemetry.on_progress)
+        if state == "running":
+            job.uncompiled_calls += 1
+            return True
+        if not job.taken:
+            job.taken = True
+            self.stats.separate[key] = job.describe()
+            if state == "ready" and self.cache is not None:
+                self.cache.load()  # the process's artifacts, so that a later save here keeps them in the file
+            if state != "ready":
+                self.stats.degrade(f"compile in a separate process ({key.describe()})",
+                                   f"{job.why}; compiled in its first call", "off" if state == "refused" else "lost")
+        return False
+
+    def _start_separate(self, key, x, timestep, context, transformer_options: dict, kwargs: dict):
+        """Start the separate compile of this call's shape; None where its package is on disk already, or the call
+        cannot have one (the runner then loads it, or compiles here and says why)."""
+        from .warm_start import NotPackageable, portable, signature
+
+        call_kwargs = self.runner.call_kwargs(context, transformer_options, kwargs)
+        try:
+            sig = signature((x, timestep), portable(call_kwargs))
+        except NotPackageable:
+            return None
+        if self.runner.packages.on_disk(sig):
+            return None
+        job = self.separate.start(key, sig, self._dm, (x, timestep), call_kwargs)
+        self.stats.separate[key] = job.describe()
+        self.telemetry.notify()
+        if job.state == "running":
+            def done():  # the badge learns it between prompts too
+                self.stats.separate[key] = job.describe()
+                self.telemetry.notify()
+
+            job.watch(done)
+        return job

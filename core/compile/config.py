@@ -31,6 +31,9 @@ class CompileConfig:
     warm_start: bool = True
     block_regions: bool = True  # H200 dev-1024-28: compile 73 -> 42 s, steady state +2-3 % (bench/NOTES.md)
     attention: Literal["cudnn", "fp8"] = "cudnn"
+    # a shape not compiled before compiles in a separate process while the model runs uncompiled (separate.py); needs
+    # the warm-start packages (persistent_cache and warm_start), which carry the compiled call back
+    separate_process: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -62,7 +65,9 @@ class CompileConfig:
                                                                    else "per call (block_regions off)")]
               if self.attention == "fp8" else []),
             ("compile cache on" + (" with warm start" if self.warm_start else "")) if self.persistent_cache
-            else "no compile cache (compiles again after a restart)"])
+            else "no compile cache (compiles again after a restart)",
+            "a new shape compiles in a separate process while the model runs uncompiled" if self.separate_process
+            else "a new shape compiles in its first call"])
 
     def inductor_options(self, device: torch.device) -> dict:
         """Options passed to this torch.compile call only (no process-wide inductor/dynamo config changes).

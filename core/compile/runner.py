@@ -54,12 +54,16 @@ class Runner:
         self.compiled = torch.compile(dm, backend="inductor", dynamic=False, fullgraph=True, options=options)
         self.paused = False
 
+    def call_kwargs(self, context, transformer_options: dict, kwargs: dict) -> dict:
+        """The keyword arguments of the compiled call (the model's own, with call_options' transformer_options)."""
+        return dict(context=context, transformer_options=call_options(transformer_options, self.regions,
+                                                                       self.attention), **kwargs)
+
     def __call__(self, key, x, timestep, context, transformer_options: dict, kwargs: dict,
                  loading=contextlib.nullcontext):
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous call's outputs may be overwritten from here on
-        opts = call_options(transformer_options, self.regions, self.attention)
-        call_kwargs = dict(context=context, transformer_options=opts, **kwargs)
+        call_kwargs = self.call_kwargs(context, transformer_options, kwargs)
         # plain-torch RoPE (rope.py); outside the Comfy model compiler's memory plan, should one be recording
         with one_graph(), recompile_budget(), torch_rope(), comfy_internals.outside_model_compiler() as self.paused:
             package = self.packages.get(key, self.dm, (x, timestep), call_kwargs, loading) if self.packages else None

@@ -49,6 +49,10 @@ class CompileStats:
     # compiled and written for the next process), or why there is no package (it then re-traces after a restart)
     warm_start: dict[ShapeKey, str] = field(default_factory=dict)
     warm_start_off: str = ""  # why warm-start packages are not used at all here ("" when they are)
+    # per shape, its compile in a separate process (separate.py): running, done in N s, or why it compiled here; and
+    # the model calls that ran uncompiled meanwhile (also counted in eager_calls)
+    separate: dict[ShapeKey, str] = field(default_factory=dict)
+    uncompiled_while_compiling: int = 0
     degradations: list[Degradation] = field(default_factory=list)  # what runs below what was asked, and why
     # calls run with the Comfy model compiler's recording paused (ComfyUI 0.34+), and calls where it could not be told
     model_compiler_paused: int = 0
@@ -67,6 +71,7 @@ class CompileStats:
         new.shapes = list(self.shapes)
         new.recording_calls, new.graphs_lost = dict(self.recording_calls), dict(self.graphs_lost)
         new.warm_start, new.degradations = dict(self.warm_start), list(self.degradations)
+        new.separate = dict(self.separate)
         new.host_s, new.device_events = deque(self.host_s, maxlen=256), deque(self.device_events, maxlen=256)
         return new
 

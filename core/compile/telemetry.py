@@ -59,7 +59,7 @@ class Telemetry:
         self.on_compiled = None
         self.on_progress = None
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
         if self.on_compiled is not None:
             self.on_compiled(self.compiled)
 
@@ -86,7 +86,7 @@ class Telemetry:
             if x.is_cuda:
                 torch.cuda.synchronize(x.device)
         self._record_compile(key, time.perf_counter() - t0, phases_before, skips_before)
-        self._notify()
+        self.notify()
 
     def _record_compile(self, key: ShapeKey, seconds: float, phases_before: dict, skips_before: int | None) -> None:
         st, packages = self.compiled.stats, self.compiled.runner.packages
@@ -177,4 +177,4 @@ class Telemetry:
         st.graphs_lost[key] = why
         st.degrade(f"CUDA graphs ({key.describe()})", why, "lost")
         log.warning("FluxAccel: %s: %s", key.describe(), why)
-        self._notify()
+        self.notify()

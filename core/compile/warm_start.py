@@ -100,6 +100,13 @@ def signature(args: tuple, kwargs: dict) -> str:
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def portable(kwargs: dict) -> dict:
+    """A compiled call's keyword arguments as a package stands for them: without the block regions' table, which holds
+    closures rebuilt in each process (the compile config, in the key, fixes it)."""
+    opts = kwargs.get("transformer_options") or {}
+    return {**kwargs, "transformer_options": {k: v for k, v in opts.items() if k != "patches_replace"}}
+
+
 def _no_guards(entries) -> list[bool]:
     # see the module docstring: FluxAccel's key and signature stand in for dynamo's guards
     return [False] * len(entries)
@@ -255,12 +262,14 @@ class Packages:
         log.info("FluxAccel: loading %d warm-start package(s) in the background", len(sigs))
         return f"loading {len(sigs)} warm-start package(s) in the background"
 
+    def on_disk(self, sig: str) -> bool:
+        """Whether this signature's package is loaded, loading, or on disk."""
+        return sig in self.calls or sig in self.pending or self.store.path(sig).is_file()
+
     def get(self, key, dm: torch.nn.Module, args: tuple, kwargs: dict, loading=None) -> Callable | None:
         """This call's compiled function (dm is passed as its first argument), or None: torch.compile runs it."""
-        opts = kwargs.get("transformer_options") or {}
-        try:  # the block regions' table holds closures rebuilt each process; the config (in the key) fixes it
-            sig = signature(args, {**kwargs, "transformer_options": {k: v for k, v in opts.items()
-                                                                     if k != "patches_replace"}})
+        try:
+            sig = signature(args, portable(kwargs))
         except NotPackageable as e:
             self.settle()  # torch.compile traces this call: not while a package loads in the background
             if key not in self.outcome:

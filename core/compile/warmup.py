@@ -2,6 +2,7 @@
 capture happen before the first real prompt, and each shape becomes an allowed shape of the compiled model."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -140,18 +141,27 @@ def warmup(model, resolutions: list[tuple], batch_size: int = 1, text_length: in
         model = _with_static_scales(model, static_scales, shapes, steps, cfg, sampler, scheduler, on_step)
     model, compiled = with_own_shapes(model)
     seconds = {}
-    for key, pos, neg, latent in shapes:
-        if compiled is not None:
-            compiled.register_shape(key)
-        t0 = time.perf_counter()
-        before = compiled.on_progress if compiled is not None else None
-        if compiled is not None and on_compile is not None:
-            compiled.on_progress = on_compile
-        try:
-            _sample(model, pos, neg, latent, steps, cfg, sampler, scheduler, on_step)
-        finally:
-            if compiled is not None:
-                compiled.on_progress = before
-        seconds[key.describe()] = time.perf_counter() - t0
-        log.info("FluxAccel warmup: %s ready in %.1f s", key.describe(), seconds[key.describe()])
+    with compiled.compiling_here() if compiled is not None else contextlib.nullcontext():
+        for key, pos, neg, latent in shapes:
+            seconds[key.describe()] = _warm_one(model, compiled, key, pos, neg, latent, steps, cfg, sampler,
+                                                scheduler, on_step, on_compile)
     return model, seconds
+
+
+def _warm_one(model, compiled, key, pos, neg, latent, steps: int, cfg: float, sampler: str, scheduler: str, on_step,
+              on_compile) -> float:
+    """Sample one shape (compiling it, in this process); its seconds."""
+    if compiled is not None:
+        compiled.register_shape(key)
+    t0 = time.perf_counter()
+    before = compiled.on_progress if compiled is not None else None
+    if compiled is not None and on_compile is not None:
+        compiled.on_progress = on_compile
+    try:
+        _sample(model, pos, neg, latent, steps, cfg, sampler, scheduler, on_step)
+    finally:
+        if compiled is not None:
+            compiled.on_progress = before
+    seconds = time.perf_counter() - t0
+    log.info("FluxAccel warmup: %s ready in %.1f s", key.describe(), seconds)
+    return seconds

@@ -93,6 +93,22 @@ def _fp8_class(cls: type, layout: str) -> type:
     return _FP8_CLASSES[cls, layout]
 
 
+def fp8_class_origin(cls: type) -> tuple[type, str] | None:
+    """(the ComfyUI Linear class, the layout) an FP8 Linear class was made from; None for any other class."""
+    for origin, made in _FP8_CLASSES.items():
+        if made is cls:
+            return origin
+    return None
+
+
+def rebuild_fp8_class(cls: type, layout: str) -> type:
+    """The FP8 Linear class of (cls, layout) in this process (a pickled model's FP8 Linears are rebuilt with it); the
+    plain layout's torchao functions are found here, outside any trace, as quantizing finds them."""
+    if layout == "plain":
+        float8_ops()
+    return _fp8_class(cls, layout)
+
+
 def _to_plain(q: torch.nn.Linear) -> None:
     """Replace a Float8Tensor weight by its data and scale as plain tensors (the same storage, no copy)."""
     float8_ops()  # refuses the layout here, before any model call, where torchao moved them

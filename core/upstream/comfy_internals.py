@@ -287,3 +287,25 @@ def eager_init_ops():
         _load_from_state_dict = torch.nn.Embedding._load_from_state_dict
 
     return type("EagerInitOps", (base,), {"Linear": Linear, "Embedding": Embedding})
+
+
+# -- launch flags -----------------------------------------------------------------------------------------------------
+def launch_args() -> dict | Unavailable:
+    """ComfyUI's launch flags as this process parsed them (comfy.cli_args.args), for a process FluxAccel starts."""
+    try:
+        import comfy.cli_args as cli
+
+        return dict(vars(cli.args))
+    except (ImportError, AttributeError, TypeError):
+        return _missing("comfy.cli_args.args")
+
+
+def set_launch_args(values: dict) -> bool | Unavailable:
+    """Give this process ComfyUI's launch flags of another (before ComfyUI's modules read them)."""
+    try:
+        import comfy.cli_args as cli
+
+        vars(cli.args).update(values)
+        return True
+    except (ImportError, AttributeError, TypeError):
+        return _missing("comfy.cli_args.args")

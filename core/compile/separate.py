@@ -1,0 +1,213 @@
+"""Compile in a separate process: a shape's first call starts a process that compiles it into its warm-start package
+while this process runs the model uncompiled; the first model call after the package is on disk loads it.
+
+Why: on a fresh machine the first compile of FLUX.1-dev is about a minute of single-threaded Python (tracing, AOT,
+lowering; bench/NOTES.md), and a thread of this process would stall ComfyUI's own Python (the interpreter lock). In
+a process of its own the compile runs beside the first prompt: that prompt runs at uncompiled speed, and the compiled
+model takes over at the sampler's next model call once the package is written (mid-prompt or in the next prompt).
+
+What the process compiles: the call's skeleton (skeleton.py) -- the live module tree and inputs without their data,
+rebuilt on the same device as zeros: the weights once more in device memory (checked first; where the device lacks
+the room the shape compiles here, and that is said), never in host memory. It writes the package and the kernel-cache
+file under the key a compile here would use, so a restart loads them as usual. It runs with this process's ComfyUI
+launch flags and environment.
+
+Said, never silent: the log names the process, its log file, how long it took and the calls that ran uncompiled
+meanwhile; the stats (describe), the Compile node's badge and the Benchmark see the same. Warmup and Benchmark compile
+in this process (or wait for a process already running): they exist to compile before, and to measure, the compiled
+model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..upstream import Unavailable, comfy_internals
+from . import skeleton
+from .warm_start import WarmStart, portable
+
+log = logging.getLogger("fluxaccel.compile")
+
+WORKER = Path(__file__).with_name("compile_worker.py")
+HEADROOM = 2 * 1024**3  # device memory the process needs beside the weights: its CUDA context and the compile's work
+PACKAGE = __name__.rsplit(".core.", 1)[0]  # the name this plugin's package is imported under (ComfyUI: its folder)
+
+
+@dataclass
+class Job:
+    """One shape compiling in a separate process. state: "running", "ready" (its package is on disk), "failed" or
+    "refused" (it never started); why: the reason for the last two."""
+
+    shape: str
+    sig: str
+    state: str
+    why: str = ""
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+    result_path: Path | None = None
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    seconds: float | None = None  # wall time from start to finish
+    uncompiled_calls: int = 0  # this process's model calls that ran uncompiled while it compiled
+    taken: bool = False  # the model has taken the outcome in (CompiledFlux)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def watch(self, on_done=None) -> None:
+        """Say when the process ends, also between prompts (a thread that waits on it: it holds no interpreter lock
+        while waiting); on_done() then, e.g. to update the badge."""
+        def wait():
+            self.proc.wait()
+            self.poll()
+            if on_done is not None:
+                on_done()
+
+        threading.Thread(target=wait, name="fluxaccel-separate-compile", daemon=True).start()
+
+    def poll(self) -> str:
+        with self.lock:
+            if self.state == "running" and self.proc.poll() is not None:
+                self._finish()
+        return self.state
+
+    def _finish(self) -> None:
+        self.seconds = round(time.monotonic() - self.started, 1)
+        try:
+            result = json.loads(self.result_path.read_text())
+        except (OSError, ValueError):
+            result = {}
+        if self.proc.returncode == 0 and result.get("saved"):
+            self.state = "ready"
+            log.info("FluxAccel: %s compiled in a separate process in %.1f s (%d model call(s) ran uncompiled "
+                     "meanwhile); loading its package", self.shape, self.seconds, self.uncompiled_calls)
+            return
+        self.state = "failed"
+        self.why = result.get("error") or f"the process exited with status {self.proc.returncode}: {self._log_tail()}"
+        log.warning("FluxAccel: the separate-process compile of %s failed after %.1f s (%s; its log: %s); compiling "
+                    "it in this process", self.shape, self.seconds, self.why, self.log_path)
+
+    def _log_tail(self) -> str:
+        try:
+            lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return "no log"
+        return (lines[-1] if lines else "empty log")[:300]
+
+    def wait(self, on_progress=None) -> str:
+        """Block until the process ends (Warmup, Benchmark); on_progress(text, seconds) about once a second."""
+        while self.poll() == "running":
+            if on_progress is not None:
+                elapsed = time.monotonic() - self.started
+                on_progress(f"waiting for the separate-process compile of {self.shape} ({elapsed:.0f} s)", elapsed)
+            time.sleep(0.5)
+        return self.state
+
+    def describe(self) -> str:
+        if self.state == "running":
+            return f"compiling in a separate process (pid {self.proc.pid}, log {self.log_path})"
+        if self.state == "ready":
+            return f"compiled in a separate process in {self.seconds} s"
+        return f"compiled in this process: {self.why}"
+
+
+def room(device: torch.device, nbytes: int) -> str:
+    """Why the device has no room for a second copy of the weights ('' where it has)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return ""
+    free, _ = torch.cuda.mem_get_info(device)
+    if free >= nbytes + HEADROOM:
+        return ""
+    gib = 1024**3
+    return (f"the GPU has {free / gib:.1f} GiB free and a separate compile needs {(nbytes + HEADROOM) / gib:.1f} GiB "
+            f"(the weights once more)")
+
+
+class SeparateCompiles:
+    """The separate-process compiles of one compiled model (one cache key), one per shape."""
+
+    def __init__(self, store: WarmStart, config, device: torch.device):
+        self.store, self.config, self.device = store, config, torch.device(device)
+        self.jobs: dict = {}  # ShapeKey -> Job
+
+    def start(self, key, sig: str, dm: torch.nn.Module, args: tuple, kwargs: dict) -> Job:
+        """Start compiling this call's shape in a separate process, or say why not (a "refused" job)."""
+        shape = key.describe()
+        try:
+            payload, nbytes = skeleton.dumps((dm, args, portable(kwargs)))
+        except skeleton.NotPortable as e:
+            return self._refuse(key, Job(shape, sig, "refused", f"the model or its call cannot be rebuilt in "
+                                                                 f"another process ({e})"))
+        flags = comfy_internals.launch_args()
+        why = room(self.device, nbytes) or (f"{flags}: the process would not run with ComfyUI's launch flags"
+                                            if isinstance(flags, Unavailable) else "")
+        if why:
+            return self._refuse(key, Job(shape, sig, "refused", why))
+        base = self.store.dir / f"{self.store.key}-{sig}"
+        job = Job(shape, sig, "running", log_path=base.with_suffix(f".compile{os.getpid()}.log"),
+                  result_path=base.with_suffix(f".result{os.getpid()}.json"))
+        header = {"key": self.store.key, "signature": sig, "cache_dir": str(self.store.dir), "device": str(self.device),
+                  "config": dataclasses.asdict(self.config), "package": PACKAGE,
+                  "package_dir": str(Path(__file__).resolve().parents[2]), "sys_path": list(sys.path),
+                  "result": str(job.result_path)}
+        try:
+            self.store.dir.mkdir(parents=True, exist_ok=True)
+            job.result_path.unlink(missing_ok=True)
+            job_file = base.with_suffix(f".job{os.getpid()}")
+            job_file.write_bytes(pickle.dumps({"header": header, "flags": pickle.dumps(flags), "call": payload}))
+            with open(job.log_path, "wb") as out:
+                job.proc = subprocess.Popen([sys.executable, str(WORKER), str(job_file)], stdout=out,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd())
+        except (OSError, pickle.PicklingError, ValueError) as e:
+            return self._refuse(key, Job(shape, sig, "refused", f"could not start it ({type(e).__name__}: {e})"))
+        self.jobs[key] = job
+        log.info("FluxAccel: compiling %s in a separate process (pid %d, log %s); until it is ready this model runs "
+                 "uncompiled, each call counted", shape, job.proc.pid, job.log_path)
+        return job
+
+    def _refuse(self, key, job: Job) -> Job:
+        self.jobs[key] = job
+        log.warning("FluxAccel: %s compiles in this process, not in a separate one: %s", job.shape, job.why)
+        return job
+
+
+# -- the separate process's side (compile_worker.py runs it) -------------------------------------------------------
+def work(job: dict) -> dict:
+    """Compile the job's call into its warm-start package and kernel-cache file; the result for the parent."""
+    from .block_regions import BlockRegions
+    from .config import CompileConfig
+    from .kernel_cache import KernelCache
+    from .rope import torch_rope
+    from .runner import recompile_budget
+    from .warm_start import aot_compile, signature
+
+    h = job["header"]
+    t0 = time.perf_counter()
+    device = torch.device(h["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dm, args, kwargs = skeleton.loads(job["call"], device)
+    if signature(args, kwargs) != h["signature"]:
+        return {"saved": False, "error": "the call rebuilt in the separate process has another signature"}
+    cfg = CompileConfig(**h["config"])
+    if cfg.block_regions:
+        kwargs["transformer_options"] = {**BlockRegions(dm).transformer_options(), **kwargs["transformer_options"]}
+    log.info("FluxAccel compile process: rebuilt the model and its call in %.1f s", time.perf_counter() - t0)
+    cache = KernelCache(h["key"], Path(h["cache_dir"]))
+    cache.load()
+    with cache.recording(), recompile_budget(), torch_rope():
+        fn = aot_compile(dm, cfg.inductor_options(device), args, kwargs)
+    saved = WarmStart(h["key"], Path(h["cache_dir"])).save(h["signature"], fn)
+    cache.save()
+    seconds = round(time.perf_counter() - t0, 1)
+    log.info("FluxAccel compile process: compiled in %.1f s, package %s", seconds, "saved" if saved else "NOT saved")
+    return {"saved": saved, "seconds": seconds, "error": "" if saved else "the package could not be written (its log)"}
