@@ -45,6 +45,13 @@ CONFIGS = {
                                                "layout": "plain"}),
                 ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
                                            "max_shapes": 4, "persistent_cache": True, "block_regions": False})],
+    # the compile in the first prompt (as before the separate process), without FluxAccel's compile cache
+    "fluxaccel-inprompt": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks",
+                                                          "layout": "plain"}),
+                           ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default",
+                                                      "resolution_policy": "strict", "max_shapes": 4,
+                                                      "persistent_cache": False, "block_regions": True,
+                                                      "separate_process": False})],
     "tuned": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
               ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "tuned-kernels", "resolution_policy": "strict",
                                          "max_shapes": 4, "persistent_cache": True, "block_regions": True})],
@@ -134,6 +141,15 @@ def wait_for_separate_compile(server, log_at: int, timeout: float = 1200) -> dic
     return {"separate_compile": f"not finished after {timeout:.0f} s"}
 
 
+def latent_rel_err(latents: dict, config: str, reference: str) -> float | None:
+    """‖a − b‖ / ‖b‖ of two configurations' saved latents (float32)."""
+    from fluxaccel.core.bench.metrics import rel_err
+
+    if config not in latents or reference not in latents:
+        return None
+    return round(float(rel_err(latents[config].float(), latents[reference].float())), 6)
+
+
 def execution_seconds(hist: dict) -> float:
     """ComfyUI's own time for a prompt: its execution_start → execution_success timestamps (milliseconds)."""
     stamps = {m[0]: m[1].get("timestamp") for m in hist["status"]["messages"]}
@@ -191,7 +207,7 @@ def main(argv=None) -> int:
 
 def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) -> None:
     """Start ComfyUI, run each configuration's first and second prompt, write the JSON after each; stop it."""
-    rows, memory = [], {}
+    rows, memory, latents = [], {}, {}
     unet_file = Path(a.models_dir) / "diffusion_models" / unet_name
 
     def write(complete: bool) -> None:  # after every configuration: a run cut short keeps what it measured
@@ -212,7 +228,10 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
                     log.info("%s: prompt %d", config, seed)
                     prompt = prompt_for(config, case, unet_name, seed, flux2, a.in_memory)
                     log_at = server.log_path.stat().st_size if server.log_path.exists() else 0
-                    times.append(execution_seconds(server.run(prompt, timeout=1800)))
+                    hist = server.run(prompt, timeout=1800)
+                    times.append(execution_seconds(hist))
+                    if seed == 2:  # the same seed in every configuration: their images are compared
+                        latents[config] = server.saved_latent(hist, "8")
                     if seed == 1:
                         separate = wait_for_separate_compile(server, log_at)
                 memory.update(host_memory(server, unet_file))
@@ -228,7 +247,10 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
                              # the kernel's high-water mark so far: what this configuration's prompts added to the peak
                              "server_peak_rss_gib_so_far": memory.get("server_peak_rss_gib"),
                              "server_anon_now_gib": memory.get("server_anon_now_gib"),
-                             "server_file_now_gib": memory.get("server_file_now_gib")})
+                             "server_file_now_gib": memory.get("server_file_now_gib"),
+                             # the second prompt's latent (same seed in every configuration) against the first
+                             # configuration's: how far this configuration's image is from it
+                             "second_latent_rel_err_vs_first_config": latent_rel_err(latents, config, a.configs[0])})
                 write(complete=False)
         finally:
             server.stop()

@@ -35,7 +35,7 @@ import torch
 
 from ..upstream import Unavailable, comfy_internals
 from . import skeleton
-from .warm_start import WarmStart, portable
+from .warm_start import WarmStart, call_description, portable
 
 log = logging.getLogger("fluxaccel.compile")
 
@@ -143,7 +143,8 @@ class SeparateCompiles:
         """Start compiling this call's shape in a separate process, or say why not (a "refused" job)."""
         shape = key.describe()
         try:
-            payload, nbytes = skeleton.dumps((dm, args, portable(kwargs)))
+            model, nbytes = skeleton.dumps(dm)
+            call, _ = skeleton.dumps((args, portable(kwargs)))
         except skeleton.NotPortable as e:
             return self._refuse(key, Job(shape, sig, "refused", f"the model or its call cannot be rebuilt in "
                                                                  f"another process ({e})"))
@@ -156,6 +157,7 @@ class SeparateCompiles:
         job = Job(shape, sig, "running", log_path=base.with_suffix(f".compile{os.getpid()}.log"),
                   result_path=base.with_suffix(f".result{os.getpid()}.json"))
         header = {"key": self.store.key, "signature": sig, "cache_dir": str(self.store.dir), "device": str(self.device),
+                  "call": call_description(args, portable(kwargs)),
                   "config": dataclasses.asdict(self.config), "package": PACKAGE,
                   "package_dir": str(Path(__file__).resolve().parents[2]), "sys_path": list(sys.path),
                   "result": str(job.result_path)}
@@ -163,7 +165,8 @@ class SeparateCompiles:
             self.store.dir.mkdir(parents=True, exist_ok=True)
             job.result_path.unlink(missing_ok=True)
             job_file = base.with_suffix(f".job{os.getpid()}")
-            job_file.write_bytes(pickle.dumps({"header": header, "flags": pickle.dumps(flags), "call": payload}))
+            job_file.write_bytes(pickle.dumps({"header": header, "flags": pickle.dumps(flags), "model": model,
+                                                   "call": call}))
             with open(job.log_path, "wb") as out:
                 job.proc = subprocess.Popen([sys.executable, str(WORKER), str(job_file)], stdout=out,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd())
@@ -183,6 +186,19 @@ class SeparateCompiles:
 # -- the separate process's side (compile_worker.py runs it) -------------------------------------------------------
 def work(job: dict) -> dict:
     """Compile the job's call into its warm-start package and kernel-cache file; the result for the parent."""
+    h = job["header"]
+    device = torch.device(h["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    t0 = time.perf_counter()
+    dm = skeleton.loads(job["model"], device)  # parameters made as the server's were: outside inference mode
+    # the autograd mode of the server's call (ComfyUI samples in inference mode): part of the call's signature
+    mode = torch.inference_mode() if h["call"]["inference"] else torch.set_grad_enabled(h["call"]["grad"])
+    with mode:
+        return _compile(job, dm, device, t0)
+
+
+def _compile(job: dict, dm: torch.nn.Module, device: torch.device, t0: float) -> dict:
     from .block_regions import BlockRegions
     from .config import CompileConfig
     from .kernel_cache import KernelCache
@@ -191,13 +207,11 @@ def work(job: dict) -> dict:
     from .warm_start import aot_compile, signature
 
     h = job["header"]
-    t0 = time.perf_counter()
-    device = torch.device(h["device"])
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dm, args, kwargs = skeleton.loads(job["call"], device)
+    args, kwargs = skeleton.loads(job["call"], device)
     if signature(args, kwargs) != h["signature"]:
-        return {"saved": False, "error": "the call rebuilt in the separate process has another signature"}
+        here = call_description(args, kwargs)
+        differs = sorted(k for k in here if here[k] != h["call"].get(k))
+        return {"saved": False, "error": f"the call rebuilt in the separate process differs in {', '.join(differs)}"}
     cfg = CompileConfig(**h["config"])
     if cfg.block_regions:
         kwargs["transformer_options"] = {**BlockRegions(dm).transformer_options(), **kwargs["transformer_options"]}

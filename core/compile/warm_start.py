@@ -93,11 +93,15 @@ def _describe(value: Any, where: str) -> Any:
     raise NotPackageable(f"{where} is a {type(value).__name__}")
 
 
+def call_description(args: tuple, kwargs: dict) -> dict:
+    """A call's inputs by structure (see _describe) and the autograd mode it runs under."""
+    return {"args": _describe(args, "args"), "kwargs": _describe(kwargs, "kwargs"), "grad": torch.is_grad_enabled(),
+            "inference": torch.is_inference_mode_enabled()}
+
+
 def signature(args: tuple, kwargs: dict) -> str:
     """What one package is valid for, besides the cache key: the inputs' structure and the autograd mode."""
-    desc = {"args": _describe(args, "args"), "kwargs": _describe(kwargs, "kwargs"), "grad": torch.is_grad_enabled(),
-            "inference": torch.is_inference_mode_enabled()}
-    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(call_description(args, kwargs), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def portable(kwargs: dict) -> dict:

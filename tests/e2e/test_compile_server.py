@@ -16,7 +16,7 @@ def _graph(size=64, compile_=True, text_length=16, tag="c", latent_node="EmptySD
     if compile_:
         g["4"] = {"class_type": "FluxAccelCompile", "inputs": {"model": ["1", 0], "cuda_graphs": True,
                                                                "mode": "default", "resolution_policy": "strict",
-                                                               "max_shapes": 4}}
+                                                               "max_shapes": 4, "separate_process": False}}
     g.update(sample_and_save("4" if compile_ else "1", seed=3, steps=2, tag=tag))
     return g
 
@@ -64,3 +64,38 @@ def test_damaged_compile_cache_file_warns_and_recompiles(server, damage):
     log = server.log_path.read_text(errors="replace")
     assert [log.count(s) - b for s, b in zip(said, before)] == [1, 1, 1], server.log_tail()
     assert torch.equal(again, base)
+
+
+def test_new_shape_runs_uncompiled_while_a_separate_process_compiles_it(server):
+    """The Compile node's default (separate_process): the first prompt of a shape no package exists for runs the
+    model uncompiled -- bit for bit the uncompiled model's latent -- while a separate process compiles the shape (the
+    log names the process); once it is done, the next prompt loads the package it wrote (nothing traced or compiled
+    in the server) and runs compiled."""
+    import time
+
+    def graph(seed: int, compile_: bool = True) -> dict:
+        g = flux_inputs(48, 12)  # a shape no other test compiles: no package on disk yet
+        if compile_:
+            g["4"] = {"class_type": "FluxAccelCompile", "inputs": {"model": ["1", 0], "cuda_graphs": True,
+                                                                   "mode": "default", "resolution_policy": "strict",
+                                                                   "max_shapes": 4}}
+        g.update(sample_and_save("4" if compile_ else "1", seed=seed, steps=2, tag=f"separate-{seed}-{compile_}"))
+        return g
+
+    def log_since(at: int) -> str:
+        return server.log_path.read_bytes()[at:].decode(errors="replace")
+
+    at = server.log_path.stat().st_size
+    first = _latent(server, server.run(graph(1)))
+    assert torch.equal(first, _latent(server, server.run(graph(1, compile_=False))))
+    assert "in a separate process (pid" in log_since(at), server.log_tail()
+    t0 = time.monotonic()
+    while "compiled in a separate process in" not in log_since(at):  # said by the server when the process ends
+        assert time.monotonic() - t0 < 300 and "separate-process compile of" not in log_since(at), server.log_tail()
+        time.sleep(0.5)
+    assert "2 model call(s) ran uncompiled meanwhile" in log_since(at)
+    at = server.log_path.stat().st_size
+    second = _latent(server, server.run(graph(2)))
+    said = log_since(at)
+    assert "from its warm-start package" in said and "FluxAccel: compiled batch" not in said, said
+    assert rel_err(second, _latent(server, server.run(graph(2, compile_=False)))) < 2e-2

@@ -84,7 +84,8 @@ def test_malformed_api_prompt_gets_comfyui_validation_error(server, bad):
     g["4"] = {"class_type": "FluxAccelQuantizeFP8", "inputs": {"model": ["1", 0], "granularity": "per_row",
                                                                "scope": "blocks"}}
     g["7"] = {"class_type": "FluxAccelCompile", "inputs": {"model": ["4", 0], "cuda_graphs": False, "mode": "default",
-                                                           "resolution_policy": "strict", "max_shapes": 4}}
+                                                           "resolution_policy": "strict", "max_shapes": 4,
+                                                           "separate_process": False}}
     g.update(sample_and_save("7", seed=1, steps=1, tag="bad"))
     if bad == "unknown granularity":
         g["4"]["inputs"]["granularity"] = "per_block"

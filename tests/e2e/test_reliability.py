@@ -88,7 +88,8 @@ def test_interrupt_during_warmup_then_the_compiled_model_still_works(server):
         g = flux_inputs()
         g["4"] = {"class_type": "FluxAccelCompile", "inputs": {"model": ["1", 0], "cuda_graphs": True,
                                                                "mode": "default", "resolution_policy": "strict",
-                                                               "max_shapes": max_shapes}}
+                                                               "max_shapes": max_shapes,
+                                                               "separate_process": False}}
         g["8"] = {"class_type": "FluxAccelWarmup", "inputs": {"model": ["4", 0], "resolutions": "64x64",
                                                               "batch_size": 1, "text_length": 16, "cfg": 1.0,
                                                               "steps": steps, "positive": ["2", 0]}}

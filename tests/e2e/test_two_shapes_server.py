@@ -39,7 +39,8 @@ def _branches(prefix: str, unet: str, size: int, seed: int) -> dict:
                "inputs": {"model": [n(1), 0], "text_length": 16, "guidance": 3.5, "seed": 0}},
         n(3): {"class_type": "EmptySD3LatentImage", "inputs": {"width": size, "height": size, "batch_size": 1}},
         n(4): {"class_type": "FluxAccelCompile", "inputs": {"model": [n(1), 0], "cuda_graphs": True, "mode": "default",
-                                                            "resolution_policy": "strict", "max_shapes": 1}},
+                                                            "resolution_policy": "strict", "max_shapes": 1,
+                                                            "separate_process": False}},
     }
     for model, k, save in ((n(4), n(5), n(6)), (n(1), n(7), n(8))):
         g.update(sample_and_save(model, seed, 2, f"{prefix}{seed}", ksampler=k, save=save, cond=n(2), latent=n(3)))
