@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -48,6 +49,12 @@ MEMORY_MODEL_NODES = Path(__file__).resolve().parent / "memory_model_node"
 # (bf16 eager 1.9 -> 0.8 s, FP8 4.3 -> 2.3 s; bench/NOTES.md, session 8). Not for the test processes themselves:
 # their heap would then keep its peak (7 GB each seen in CI) for the whole run. A variable already set wins.
 CPU_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000"}
+
+
+# FluxAccel's log lines for a compile in a separate process (core/compile/separate.py): started, and ended
+SEPARATE_START = re.compile(r"compiling .+ in a separate process \(pid")
+SEPARATE_END = re.compile(r"compiled in a separate process in ([0-9.]+) s \(\d+ model call|"
+                          r"the separate-process compile of .+ failed after ([0-9.]+) s")
 
 
 def free_port() -> int:
@@ -150,6 +157,29 @@ class ComfyServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+    def separate_compiles(self, since: int = 0, timeout: float = 1800) -> list[dict]:
+        """Wait until every compile the server started in a separate process since log offset `since` (its log says
+        so) has ended; what the log says of each, in order: {"separate_compile": "ready" | "failed",
+        "separate_compile_s": seconds, "waited_after_first_prompt_s": how long this waited}."""
+        def text() -> str:
+            with open(self.log_path, "rb") as f:
+                f.seek(since)
+                return f.read().decode(errors="replace")
+
+        t0 = time.monotonic()
+        while True:
+            started, ended = len(SEPARATE_START.findall(text())), list(SEPARATE_END.finditer(text()))
+            if len(ended) >= started:
+                break
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"{started - len(ended)} separate-process compile(s) not finished after "
+                                   f"{timeout:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.5)
+        waited = round(time.monotonic() - t0, 1)
+        return [{"separate_compile": "failed" if m.group(2) else "ready",
+                 "separate_compile_s": float(m.group(2) or m.group(1)), "waited_after_first_prompt_s": waited}
+                for m in ended]
 
     def log_tail(self, n: int = 60) -> str:
         try:

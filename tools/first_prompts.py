@@ -18,11 +18,9 @@ import datetime as dt
 import json
 import logging
 import shlex
-import re
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +43,7 @@ CONFIGS = {
                                                "layout": "plain"}),
                 ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
                                            "max_shapes": 4, "persistent_cache": True, "block_regions": False})],
-    # the compile in the first prompt (as before the separate process), without FluxAccel's compile cache
+    # the compile in the first prompt, without FluxAccel's compile cache
     "fluxaccel-inprompt": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks",
                                                           "layout": "plain"}),
                            ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default",
@@ -112,33 +110,6 @@ def prompt_for(config: str, case: dict, unet_name: str, seed: int, flux2: bool, 
         "scheduler": "simple", "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0}}
     p["8"] = {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0], "filename_prefix": f"first-{config}"}}
     return p
-
-
-SEPARATE_START = re.compile(r"compiling (.+) in a separate process \(pid")
-SEPARATE_END = re.compile(r"compiled in a separate process in ([0-9.]+) s \((\d+) model call\(s\) ran uncompiled|"
-                          r"the separate-process compile of .+ failed after ([0-9.]+) s")
-
-
-def wait_for_separate_compile(server, log_at: int, timeout: float = 1200) -> dict:
-    """After a configuration's first prompt: if it started a separate-process compile (the server's log says so),
-    wait until that process has finished and return what the log says of it ({} when there was none)."""
-    def text() -> str:
-        with open(server.log_path, "rb") as f:
-            f.seek(log_at)
-            return f.read().decode(errors="replace")
-
-    if not SEPARATE_START.search(text()):
-        return {}
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        end = SEPARATE_END.search(text())
-        if end:
-            if end.group(3):
-                return {"separate_compile": "failed", "separate_compile_s": float(end.group(3))}
-            return {"separate_compile": "ready", "separate_compile_s": float(end.group(1)),
-                    "waited_after_first_prompt_s": round(time.monotonic() - t0, 1)}
-        time.sleep(0.5)
-    return {"separate_compile": f"not finished after {timeout:.0f} s"}
 
 
 def latent_rel_err(latents: dict, config: str, reference: str) -> float | None:
@@ -232,8 +203,8 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
                     times.append(execution_seconds(hist))
                     if seed == 2:  # the same seed in every configuration: their images are compared
                         latents[config] = server.saved_latent(hist, "8")
-                    if seed == 1:
-                        separate = wait_for_separate_compile(server, log_at)
+                    if seed == 1:  # a separate-process compile started by this prompt: wait until it has ended
+                        separate = next(iter(server.separate_compiles(since=log_at)), {})
                 memory.update(host_memory(server, unet_file))
                 if a.in_memory and memory.get("server_peak_rss_gib"):  # no file: the weights' bf16 size instead
                     from fluxaccel.core.models.synthetic import param_count

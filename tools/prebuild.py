@@ -51,6 +51,7 @@ def prebuild(workflow: dict, comfy_dir: Path, cache_dir: Path, server_args: list
                           env={"FLUXACCEL_CACHE_DIR": str(cache_dir)}, cpu_fp8=cpu_fp8)
         with srv:
             srv.run(workflow, timeout=timeout)
+            srv.separate_compiles(timeout=timeout)  # shapes compiling in a separate process: their packages too
         loaded = srv.log_path.read_text(errors="replace").count("FluxAccel: loaded warm-start package")
     written = sorted(p for p in cache_dir.glob(f"*{SUFFIX}") if before.get(p) != p.stat().st_mtime_ns)
     log.info("%d warm-start package(s) written to %s, %d loaded from it, in %.0f s", len(written), cache_dir, loaded,

@@ -357,3 +357,17 @@ def test_fa3_forward_missing_says_what_and_fp8_attention_explains(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     why = fp8_attention.why_not(torch.device("cuda"))
     assert "has no torch.ops.fa3_fwd_renamed._flash_attn_forward" in why and "pip install fa3-fwd" in why
+
+
+def test_launch_args_missing(monkeypatch):
+    """ComfyUI's parsed launch flags (copied into a separate compile process): without them both directions say so,
+    and the separate compile is refused (tests/core/compile/test_separate.py)."""
+    import comfy.cli_args
+
+    flags = comfy_internals.launch_args()
+    assert isinstance(flags, dict) and "listen" in flags
+    assert comfy_internals.set_launch_args({"listen": flags["listen"]}) is True
+    monkeypatch.delattr(comfy.cli_args, "args")
+    assert isinstance(comfy_internals.launch_args(), Unavailable)
+    missing = comfy_internals.set_launch_args({"listen": "x"})
+    assert isinstance(missing, Unavailable) and "comfy.cli_args.args" in str(missing)

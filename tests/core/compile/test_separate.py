@@ -1,0 +1,115 @@
+"""core/compile/separate.py on the CPU: a real ComfyUI FLUX (FP8 Linears) compiled in a separate Python process
+while this one runs it uncompiled; the package it writes is loaded here, nothing traced here."""
+import logging
+import pytest
+import torch
+
+from fluxaccel.core.bench.metrics import rel_err
+from fluxaccel.core.compile import separate
+from fluxaccel.core.compile.config import CompileConfig
+from fluxaccel.core.compile.patch import apply_compile, compiled_of
+from fluxaccel.core.compile.warm_start import WarmStart
+from fluxaccel.core.patches import describe
+from fluxaccel.core.quant.fp8 import Fp8Config
+from fluxaccel.core.quant.patch import apply_fp8
+from fluxaccel.core.upstream import Unavailable
+from support.runs import clear_compile_counters, compiled_graphs
+from support.runs import denoise_once
+
+
+@pytest.fixture
+def fp8_model(cpu_fp8, tiny_flux):
+    q, _ = apply_fp8(tiny_flux, Fp8Config("per_row", layout="plain"))
+    return q
+
+
+def _uncompiled(model):
+    from fluxaccel.core.compile.patch import remove_compile
+
+    return denoise_once(remove_compile(model))
+
+
+@pytest.mark.fresh_compile
+def test_first_call_runs_uncompiled_then_the_separate_package_is_loaded(fp8_model, tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="fluxaccel")
+    clear_compile_counters()
+    model, compiled = apply_compile(fp8_model, CompileConfig(separate_process=True))
+    first = denoise_once(model)
+    assert torch.equal(first, _uncompiled(model))  # the uncompiled model's output, bit for bit
+    assert compiled.stats.eager_calls == 1 and compiled.stats.uncompiled_while_compiling == 1
+    assert compiled_graphs() == 0 and not compiled.stats.compile_seconds  # nothing compiled in this process
+    (said,) = describe(model)["compile"]["separate_process"].values()
+    assert said.startswith("compiling in a separate process (pid")
+    (job,) = compiled.separate.jobs.values()
+    assert job.wait() == "ready", job.why
+    second = denoise_once(model)
+    assert compiled_graphs() == 1 and compiled.stats.warm_start == {job_key(compiled): "loaded"}  # loaded, not traced
+    assert compiled.stats.eager_calls == 1 and compiled.stats.calls == 1
+    assert "compiled in a separate process in" in compiled.stats.separate[job_key(compiled)]
+    assert "1 model call(s) ran uncompiled meanwhile" in caplog.text
+    # the same graph as a compile in this process (its own cache folder: nothing to load there)
+    monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path / "in-process"))
+    here, c2 = apply_compile(fp8_model, CompileConfig(separate_process=False))
+    assert torch.equal(second, denoise_once(here)) and c2.stats.warm_start[job_key(c2)] == "saved"
+    assert rel_err(second, first) < 2e-2
+
+
+def job_key(compiled):
+    (key,) = compiled.stats.shapes
+    return key
+
+
+def test_warmup_and_benchmark_compile_here(fp8_model):
+    """compiling_here (Warmup, Benchmark): no separate process; the call compiles (or loads) in this process."""
+    model, compiled = apply_compile(fp8_model, CompileConfig(separate_process=True))
+    with compiled.compiling_here():
+        denoise_once(model)
+    assert not compiled.separate.jobs and compiled.stats.eager_calls == 0 and len(compiled.stats.compile_seconds) == 1
+
+
+@pytest.mark.fresh_compile
+def test_without_comfyui_launch_flags_the_shape_compiles_here_and_says_why(fp8_model, monkeypatch, caplog):
+    from fluxaccel.core.upstream import comfy_internals
+
+    monkeypatch.setattr(comfy_internals, "launch_args", lambda: Unavailable("ComfyUI", "0.x", "comfy.cli_args.args"))
+    model, compiled = apply_compile(fp8_model, CompileConfig(separate_process=True))
+    denoise_once(model)
+    assert compiled.stats.eager_calls == 0 and len(compiled.stats.compile_seconds) == 1
+    (line,) = describe(model)["degradations"][-1:]
+    assert line.startswith("compile in a separate process (batch 1") and "comfy.cli_args.args" in line
+    assert "compiles in this process, not in a separate one" in caplog.text
+
+
+def test_without_warm_start_packages_it_is_refused_at_once(fp8_model):
+    _, compiled = apply_compile(fp8_model, CompileConfig(separate_process=True, persistent_cache=False))
+    assert compiled.separate is None
+    assert any(d.what == "compile in a separate process" and "warm-start packages" in d.why
+               for d in compiled.stats.degradations)
+
+
+def test_a_process_that_fails_is_said_with_its_log(fp8_model, tmp_path, monkeypatch):
+    """The process's exit status and its log's last line make the job's reason; the model then compiles here."""
+    worker = tmp_path / "worker.py"
+    worker.write_text("import sys\nprint('no GPU left for me')\nsys.exit(3)\n")
+    monkeypatch.setattr(separate, "WORKER", worker)
+    model, compiled = apply_compile(fp8_model, CompileConfig(separate_process=True))
+    seps = separate.SeparateCompiles(WarmStart("k" * 32, tmp_path), compiled.cfg, torch.device("cpu"))
+    x = torch.zeros(1, 16, 2, 2)
+
+    class Key:
+        def describe(self):
+            return "the test shape"
+
+    job = seps.start(Key(), "0" * 16, torch.nn.Linear(2, 2), (x,), {"transformer_options": {}})
+    assert job.state == "running"
+    assert job.wait() == "failed"
+    assert job.why == "the process exited with status 3: no GPU left for me"
+    assert job.describe() == "compiled in this process: the process exited with status 3: no GPU left for me"
+
+
+def test_room_on_a_gpu_counts_the_weights_once_more(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * 1024**3, 80 * 1024**3))
+    assert separate.room(torch.device("cuda:0"), 7 * 1024**3) == ""
+    why = separate.room(torch.device("cuda:0"), 9 * 1024**3)
+    assert why == "the GPU has 10.0 GiB free and a separate compile needs 11.0 GiB (the weights once more)"
+    assert separate.room(torch.device("cpu"), 10**15) == ""
