@@ -363,6 +363,7 @@ def test_launch_args_missing(monkeypatch):
     """ComfyUI's parsed launch flags (copied into a separate compile process): without them both directions say so,
     and the separate compile is refused (tests/core/compile/test_separate.py)."""
     import comfy.cli_args
+    import comfy.model_management  # noqa: F401  (reads the flags at import: before they go missing)
 
     flags = comfy_internals.launch_args()
     assert isinstance(flags, dict) and "listen" in flags
