@@ -17,6 +17,7 @@ import importlib.metadata as md
 import json
 import logging
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from .warm_start import UNUSABLE_FILE, UNWRITABLE
 log = logging.getLogger("fluxaccel.cache")
 
 MAGIC = b"FLUXACCEL-COMPILE-CACHE 1\n"
+LOG_NAME = re.compile(r"[0-9a-f]{32}-[0-9a-f]{16}\.compile\d+\.log")  # <key>-<signature>.compile<pid>.log
 ENV_DIR = "FLUXACCEL_CACHE_DIR"
 
 
@@ -156,6 +158,10 @@ def clear(directory: Path | None = None) -> int:
                 if fh.read(len(magic)) == magic:
                     f.unlink()
                     n += 1
+    for f in d.glob("*.compile*.log") if d.is_dir() else []:  # the separate compile processes' logs (separate.py)
+        if LOG_NAME.fullmatch(f.name):
+            f.unlink()
+            n += 1
     from ..quant.weights_cache import is_ours
 
     weights = d / "fp8-weights"

@@ -83,6 +83,7 @@ class Job:
         self.seconds = round(time.monotonic() - self.started, 1)
         try:
             result = json.loads(self.result_path.read_text())
+            self.result_path.unlink()
         except (OSError, ValueError):
             result = {}
         if self.proc.returncode == 0 and result.get("saved"):

@@ -74,8 +74,10 @@ def test_clear_removes_only_our_files(tmp_path):
     weights_cache._write(weights / "ours.safetensors", {"l.weight": torch.zeros(2, 2)},
                          {"key": weights_cache.json.dumps({"format": weights_cache.FORMAT})})
     save_file({"x": torch.zeros(2)}, str(weights / "theirs.safetensors"))
-    assert clear(tmp_path) == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin", "c.txt", "fp8-weights"]
+    (tmp_path / f"{'a' * 32}-{'0' * 16}.compile123.log").write_text("a separate compile process's log")
+    (tmp_path / "notes.compile1.log").write_text("someone else's")
+    assert clear(tmp_path) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin", "c.txt", "fp8-weights", "notes.compile1.log"]
     assert [p.name for p in weights.iterdir()] == ["theirs.safetensors"]
 
 
