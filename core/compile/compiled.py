@@ -154,7 +154,8 @@ class CompiledFlux(torch.nn.Module):
         if key in self.stats.compile_seconds:
             with self.telemetry.warm_call(key, x):
                 out = self.runner(key, x, timestep, context, transformer_options, kwargs)
-        elif self._compiling_elsewhere(key, x, timestep, context, transformer_options, kwargs):
+        elif self.separate is not None and self.separate.runs_uncompiled(self, key, x, timestep, context,
+                                                                          transformer_options, kwargs):
             self.stats.eager_calls += 1  # uncompiled while a separate process compiles the shape: counted, shown
             self.stats.uncompiled_while_compiling += 1
             return self._dm(x, timestep, context=context, transformer_options=transformer_options, **kwargs)
@@ -166,55 +167,3 @@ class CompiledFlux(torch.nn.Module):
                 self.cache.save()
         self.telemetry.count_call(self.runner.paused)
         return out
-
-    def _compiling_elsewhere(self, key, x, timestep, context, transformer_options: dict, kwargs: dict) -> bool:
-        """Whether this call runs uncompiled because a separate process compiles its shape (started at the shape's
-        first call); False once that process wrote the package (loaded in this call), or where the shape compiles
-        in this call: no separate process asked for or possible (said), compiling_here, a package on disk."""
-        if self.separate is None:
-            return False
-        job = self.separate.jobs.get(key)
-        if job is None:
-            if self.here:
-                return False
-            job = self._start_separate(key, x, timestep, context, transformer_options, kwargs)
-            if job is None:
-                return False
-        state = job.poll()
-        if state == "running" and self.here:
-            state = job.wait(self.telemetry.on_progress)
-        if state == "running":
-            job.uncompiled_calls += 1
-            return True
-        if not job.taken:
-            job.taken = True
-            self.stats.separate[key] = job.describe()
-            if state == "ready" and self.cache is not None:
-                self.cache.load()  # the process's artifacts, so that a later save here keeps them in the file
-            if state != "ready":
-                self.stats.degrade(f"compile in a separate process ({key.describe()})",
-                                   f"{job.why}; compiled in its first call", "off" if state == "refused" else "lost")
-        return False
-
-    def _start_separate(self, key, x, timestep, context, transformer_options: dict, kwargs: dict):
-        """Start the separate compile of this call's shape; None where its package is on disk already, or the call
-        cannot have one (the runner then loads it, or compiles here and says why)."""
-        from .warm_start import NotPackageable, portable, signature
-
-        call_kwargs = self.runner.call_kwargs(context, transformer_options, kwargs)
-        try:
-            sig = signature((x, timestep), portable(call_kwargs))
-        except NotPackageable:
-            return None
-        if self.runner.packages.on_disk(sig):
-            return None
-        job = self.separate.start(key, sig, self._dm, (x, timestep), call_kwargs)
-        self.stats.separate[key] = job.describe()
-        self.telemetry.notify()
-        if job.state == "running":
-            def done():  # the badge learns it between prompts too
-                self.stats.separate[key] = job.describe()
-                self.telemetry.notify()
-
-            job.watch(done)
-        return job

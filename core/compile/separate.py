@@ -178,6 +178,57 @@ class SeparateCompiles:
                  "uncompiled, each call counted", shape, job.proc.pid, job.log_path)
         return job
 
+    def runs_uncompiled(self, compiled, key, x, timestep, context, transformer_options: dict, kwargs: dict) -> bool:
+        """Whether this call of `compiled` (a CompiledFlux) runs uncompiled because a separate process compiles its
+        shape (started at the shape's first call); False once that process wrote the package (loaded in this call),
+        or where the shape compiles in this call: compiled.here (Warmup, Benchmark), a package on disk, or a separate
+        compile refused or failed (recorded in compiled.stats, said in the log)."""
+        job = self.jobs.get(key)
+        if job is None:
+            if compiled.here:
+                return False
+            job = self._start_for(compiled, key, x, timestep, context, transformer_options, kwargs)
+            if job is None:
+                return False
+        state = job.poll()
+        if state == "running" and compiled.here:
+            state = job.wait(compiled.telemetry.on_progress)
+        if state == "running":
+            job.uncompiled_calls += 1
+            return True
+        if not job.taken:
+            job.taken = True
+            compiled.stats.separate[key] = job.describe()
+            if state == "ready" and compiled.cache is not None:
+                compiled.cache.load()  # the process's artifacts, so that a later save here keeps them in the file
+            if state != "ready":
+                compiled.stats.degrade(f"compile in a separate process ({key.describe()})",
+                                       f"{job.why}; compiled in its first call", "off" if state == "refused" else "lost")
+        return False
+
+    def _start_for(self, compiled, key, x, timestep, context, transformer_options: dict, kwargs: dict) -> Job | None:
+        """Start the separate compile of this call's shape; None where its package is on disk already, or the call
+        cannot have one (the runner then loads it, or compiles here and says why)."""
+        from .warm_start import NotPackageable, signature
+
+        call_kwargs = compiled.runner.call_kwargs(context, transformer_options, kwargs)
+        try:
+            sig = signature((x, timestep), portable(call_kwargs))
+        except NotPackageable:
+            return None
+        if compiled.runner.packages.on_disk(sig):
+            return None
+        job = self.start(key, sig, compiled.runner.dm, (x, timestep), call_kwargs)
+        compiled.stats.separate[key] = job.describe()
+        compiled.telemetry.notify()
+        if job.state == "running":
+            def done():  # the badge learns it between prompts too
+                compiled.stats.separate[key] = job.describe()
+                compiled.telemetry.notify()
+
+            job.watch(done)
+        return job
+
     def _refuse(self, key, job: Job) -> Job:
         self.jobs[key] = job
         log.warning("FluxAccel: %s compiles in this process, not in a separate one: %s", job.shape, job.why)

@@ -75,8 +75,9 @@ def test_without_comfyui_launch_flags_the_shape_compiles_here_and_says_why(fp8_m
     model, compiled = apply_compile(fp8_model, CompileConfig(separate_process=True))
     denoise_once(model)
     assert compiled.stats.eager_calls == 0 and len(compiled.stats.compile_seconds) == 1
-    (line,) = describe(model)["degradations"][-1:]
-    assert line.startswith("compile in a separate process (batch 1") and "comfy.cli_args.args" in line
+    (d,) = compiled.stats.degradations
+    assert d.what.startswith("compile in a separate process (batch 1") and "comfy.cli_args.args" in d.why
+    assert d.line() in describe(model)["degradations"]
     assert "compiles in this process, not in a separate one" in caplog.text
 
 
