@@ -35,7 +35,12 @@ import torch
 
 from ..upstream import Unavailable, comfy_internals
 from . import skeleton
-from .warm_start import WarmStart, call_description, portable
+from .block_regions import BlockRegions
+from .config import CompileConfig
+from .kernel_cache import KernelCache
+from .rope import torch_rope
+from .runner import recompile_budget
+from .warm_start import NotPackageable, WarmStart, aot_compile, call_description, portable, signature
 
 log = logging.getLogger("fluxaccel.compile")
 
@@ -209,8 +214,6 @@ class SeparateCompiles:
     def _start_for(self, compiled, key, x, timestep, context, transformer_options: dict, kwargs: dict) -> Job | None:
         """Start the separate compile of this call's shape; None where its package is on disk already, or the call
         cannot have one (the runner then loads it, or compiles here and says why)."""
-        from .warm_start import NotPackageable, signature
-
         call_kwargs = compiled.runner.call_kwargs(context, transformer_options, kwargs)
         try:
             sig = signature((x, timestep), portable(call_kwargs))
@@ -251,13 +254,6 @@ def work(job: dict) -> dict:
 
 
 def _compile(job: dict, dm: torch.nn.Module, device: torch.device, t0: float) -> dict:
-    from .block_regions import BlockRegions
-    from .config import CompileConfig
-    from .kernel_cache import KernelCache
-    from .rope import torch_rope
-    from .runner import recompile_budget
-    from .warm_start import aot_compile, signature
-
     h = job["header"]
     args, kwargs = skeleton.loads(job["call"], device)
     if signature(args, kwargs) != h["signature"]:
