@@ -468,6 +468,67 @@ def levers(dbl, sgl, inputs, base, ref):
     run_variant("default with CUDA graphs (--disable-cuda-malloc)", wd, ws, inputs, compile_opts=base, ref=ref)
 
 
+def copy_ceiling() -> float:
+    """GB/s of a device-to-device copy of 2 GiB (read + write): the memory bandwidth a pointwise kernel can reach."""
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), iters=10)
+    del src, dst
+    return 2 * 2 * 1024**3 / 1e9 / (ms / 1e3)
+
+
+def _bandwidth_file(path: Path) -> list[list[tuple[float, float, str]]]:
+    """Per graph call, in order (the double block's first call, then the single block's), the (ms, GB, kernel) of each
+    Triton kernel that inductor's profile_bandwidth wrote (each kernel timed alone at its first launch)."""
+    import re
+
+    calls = []
+    for block in path.read_text().split("TRITON KERNELS BANDWIDTH INFO")[1:3]:
+        rows = []
+        for line in block.splitlines():
+            m = re.match(r"\s*([0-9.]+)ms\s+([0-9.]+) GB\s+[0-9.]+GB/s\s+[0-9.]+%\s+(\S+)", line)
+            if m:
+                rows.append((float(m.group(1)), float(m.group(2)), m.group(3)))
+        calls.append(rows)
+    return calls
+
+
+def bandwidth(dbl, sgl, inputs, base, ref):
+    """The elementwise kernels' bytes against the memory's ceiling: inductor's own per-kernel measurement
+    (profile_bandwidth: each Triton kernel timed alone at its first launch, its bytes from its buffers) of the
+    default's compiled blocks and of static activation scales, against a device-to-device copy's bandwidth; a step
+    estimated as 19 double + 38 single blocks."""
+    from fluxaccel.core.compile.attention import OVERRIDE_KEY, sdpa_cudnn_first
+
+    ceiling = copy_ceiling()
+    emit("copy_ceiling", gb_per_s=round(ceiling))
+    d, s_ = fp8_copy(dbl, "per_row", "plain"), fp8_copy(sgl, "per_row", "plain")
+    wd, ws = _Opts(d, {OVERRIDE_KEY: sdpa_cudnn_first}, True), _Opts(s_, {OVERRIDE_KEY: sdpa_cudnn_first}, True)
+    static = StaticScale(d, s_)
+    img, txt, vec, pe, x, vs = inputs
+    with torch.inference_mode():
+        static.calibrate(lambda: (wd(img.clone(), txt.clone(), vec, pe), ws(x.clone(), vs, pe)))
+    for name, ctx in (("default: fp8 row plain compile", contextlib.nullcontext),
+                      ("static per-tensor activation scales", static.on)):
+        out = OUT_DIR / f"bandwidth-{'static' if 'static' in name else 'default'}.txt"
+        out.unlink(missing_ok=True)
+        opts = {**base, "profile_bandwidth": True, "profile_bandwidth_output": str(out)}
+        with ctx():
+            r = run_variant(f"{name} (profile_bandwidth)", wd, ws, inputs, compile_opts=opts, graphs=False, ref=ref)
+        calls = _bandwidth_file(out) if r and out.exists() else []
+        if len(calls) != 2:
+            emit("bandwidth", name=name, error=f"profile_bandwidth wrote {len(calls)} graph calls, 2 expected")
+            continue
+        (dbl_rows, sgl_rows) = calls
+        step = {k: round(BLOCKS[0] * sum(r_[i] for r_ in dbl_rows) + BLOCKS[1] * sum(r_[i] for r_ in sgl_rows), 2)
+                for k, i in (("triton_ms_per_step", 0), ("triton_gb_per_step", 1))}
+        step["triton_ms_per_step_at_copy_bandwidth"] = round(step["triton_gb_per_step"] / ceiling * 1e3, 2)
+        emit("bandwidth", name=name, kernels=[len(dbl_rows), len(sgl_rows)], **step,
+             achieved_gb_per_s=round(step["triton_gb_per_step"] / step["triton_ms_per_step"] * 1e3),
+             top_double=[(k[:70], t, b, round(b / t * 1e3)) for t, b, k in sorted(dbl_rows, reverse=True)[:10]],
+             top_single=[(k[:70], t, b, round(b / t * 1e3)) for t, b, k in sorted(sgl_rows, reverse=True)[:10]])
+
+
 def flux2(base):
     """The per-step levers on FLUX.2 [dev]'s blocks (a step estimated as 8 double + 48 single)."""
     global BLOCKS, TAG
@@ -513,6 +574,9 @@ def main():
     ap.add_argument("--gemm-cases", default="",
                     help="GEMM micro-benchmarks of these cases' shapes (comma-separated: dev-1024, schnell-512, "
                          "flux2dev-1024): the FP8 GEMM time a step cannot go below")
+    ap.add_argument("--bandwidth", action="store_true",
+                    help="the compiled blocks' Triton kernels, bytes and time each (inductor's profile_bandwidth), "
+                         "against a device copy's bandwidth: the default and static activation scales")
     ap.add_argument("--layouts", action="store_true",
                     help="only FP8 per-row compile+graphs in the Float8Tensor vs plain layout, and a kernel profile of each")
     a = ap.parse_args()
@@ -521,7 +585,7 @@ def main():
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     emit("env", torch=torch.__version__, gpu=torch.cuda.get_device_name(0),
          cudnn=torch.backends.cudnn.version())
-    if not (a.skip_micro or a.layouts or a.levers or a.fa3 or a.gemm_cases):
+    if not (a.skip_micro or a.layouts or a.levers or a.fa3 or a.gemm_cases or a.bandwidth):
         sdpa_backends()
         gemms()
     for case in filter(None, a.gemm_cases.split(",")):
@@ -546,6 +610,10 @@ def main():
         if a.flux2:
             del dbl, sgl, eager
             flux2(base)
+        table()
+        return
+    if a.bandwidth:
+        bandwidth(dbl, sgl, inputs, base, ref)
         table()
         return
     if a.levers:
