@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -477,20 +479,24 @@ def copy_ceiling() -> float:
     return 2 * 2 * 1024**3 / 1e9 / (ms / 1e3)
 
 
-def _bandwidth_file(path: Path) -> list[list[tuple[float, float, str]]]:
-    """Per graph call, in order (the double block's first call, then the single block's), the (ms, GB, kernel) of each
-    Triton kernel that inductor's profile_bandwidth wrote (each kernel timed alone at its first launch)."""
-    import re
+class _KernelLines(logging.Handler):
+    """Inductor's profile_bandwidth lines (one per Triton kernel at its first launch, timed alone; then a SUMMARY line
+    per graph call), collected per graph call: [[(ms, GB, kernel), ...] per call]."""
 
-    calls = []
-    for block in path.read_text().split("TRITON KERNELS BANDWIDTH INFO")[1:3]:
-        rows = []
-        for line in block.splitlines():
-            m = re.match(r"\s*([0-9.]+)ms\s+([0-9.]+) GB\s+[0-9.]+GB/s\s+[0-9.]+%\s+(\S+)", line)
-            if m:
-                rows.append((float(m.group(1)), float(m.group(2)), m.group(3)))
-        calls.append(rows)
-    return calls
+    LINE = re.compile(r"([0-9.]+)ms\s+([0-9.]+) GB\s+[0-9.]+GB/s\s+(\S+)")
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.calls: list[list[tuple[float, float, str]]] = [[]]
+
+    def emit(self, record):
+        text = re.sub(r"\x1b\[[0-9;]*m", "", record.getMessage())
+        if text.startswith("SUMMARY"):
+            self.calls.append([])
+            return
+        m = self.LINE.search(text)
+        if m:
+            self.calls[-1].append((float(m.group(1)), float(m.group(2)), m.group(3)))
 
 
 def bandwidth(dbl, sgl, inputs, base, ref):
@@ -510,16 +516,24 @@ def bandwidth(dbl, sgl, inputs, base, ref):
         static.calibrate(lambda: (wd(img.clone(), txt.clone(), vec, pe), ws(x.clone(), vs, pe)))
     for name, ctx in (("default: fp8 row plain compile", contextlib.nullcontext),
                       ("static per-tensor activation scales", static.on)):
-        out = OUT_DIR / f"bandwidth-{'static' if 'static' in name else 'default'}.txt"
-        out.unlink(missing_ok=True)
-        opts = {**base, "profile_bandwidth": True, "profile_bandwidth_output": str(out)}
-        with ctx():
-            r = run_variant(f"{name} (profile_bandwidth)", wd, ws, inputs, compile_opts=opts, graphs=False, ref=ref)
-        calls = _bandwidth_file(out) if r and out.exists() else []
-        if len(calls) != 2:
-            emit("bandwidth", name=name, error=f"profile_bandwidth wrote {len(calls)} graph calls, 2 expected")
+        lines = _KernelLines()
+        logger = logging.getLogger("torch._inductor.runtime.triton_heuristics")
+        logger.addHandler(lines)
+        before = logger.level
+        logger.setLevel(logging.INFO)
+        try:
+            with ctx():
+                run_variant(f"{name} (profile_bandwidth)", wd, ws, inputs,
+                            compile_opts={**base, "profile_bandwidth": True}, graphs=False, ref=ref)
+        finally:
+            logger.removeHandler(lines)
+            logger.setLevel(before)
+        calls = [c for c in lines.calls if c]
+        (OUT_DIR / f"bandwidth-{'static' if 'static' in name else 'default'}.json").write_text(json.dumps(calls[:2]))
+        if len(calls) < 2:
+            emit("bandwidth", name=name, error=f"profile_bandwidth logged {len(calls)} graph calls, 2 expected")
             continue
-        (dbl_rows, sgl_rows) = calls
+        dbl_rows, sgl_rows = calls[:2]  # the double block's first call, then the single block's
         step = {k: round(BLOCKS[0] * sum(r_[i] for r_ in dbl_rows) + BLOCKS[1] * sum(r_[i] for r_ in sgl_rows), 2)
                 for k, i in (("triton_ms_per_step", 0), ("triton_gb_per_step", 1))}
         step["triton_ms_per_step_at_copy_bandwidth"] = round(step["triton_gb_per_step"] / ceiling * 1e3, 2)
