@@ -40,13 +40,22 @@ def test_first_call_runs_uncompiled_then_the_separate_package_is_loaded(fp8_mode
     assert compiled_graphs() == 0 and not compiled.stats.compile_seconds  # nothing compiled in this process
     (said,) = describe(model)["compile"]["separate_process"].values()
     assert said.startswith("compiling in a separate process (pid")
+    from fluxaccel.nodes.events import compiled_state
+
+    badge = compiled_state(compiled)
+    assert badge["compiling"] == [job_key(compiled).describe()] and badge["uncompiled_calls"] == 1
+    # Warmup's and the Benchmark's calls wait for the process instead of compiling the shape a second time
+    progress = []
+    compiled.on_progress = lambda text, seconds: progress.append(text)
+    with compiled.compiling_here():
+        second = denoise_once(model)
     (job,) = compiled.separate.jobs.values()
-    assert job.wait() == "ready", job.why
-    second = denoise_once(model)
+    assert job.state == "ready" and progress and progress[0].startswith("waiting for the separate-process compile")
     assert compiled_graphs() == 1 and compiled.stats.warm_start == {job_key(compiled): "loaded"}  # loaded, not traced
     assert compiled.stats.eager_calls == 1 and compiled.stats.calls == 1
     assert "compiled in a separate process in" in compiled.stats.separate[job_key(compiled)]
     assert "1 model call(s) ran uncompiled meanwhile" in caplog.text
+    assert compiled_state(compiled)["compiling"] == []
     # the same graph as a compile in this process (its own cache folder: nothing to load there)
     monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path / "in-process"))
     here, c2 = apply_compile(fp8_model, CompileConfig(separate_process=False))
