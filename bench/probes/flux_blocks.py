@@ -499,6 +499,20 @@ class _KernelLines(logging.Handler):
             self.calls[-1].append((float(m.group(1)), float(m.group(2)), m.group(3)))
 
 
+def _keep_generated_code(folder: Path) -> None:
+    """Copy the Python modules inductor generated so far in this process (the compiled graphs' wrappers with their
+    Triton kernels' source) into `folder`, for reading the kernels the bandwidth table names."""
+    import shutil
+
+    from torch._inductor.codecache import PyCodeCache
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for mod in list(PyCodeCache.modules):
+        src = Path(getattr(mod, "__file__", "") or "")
+        if src.is_file() and "triton_" in src.read_text(errors="replace"):
+            shutil.copy(src, folder / src.name)
+
+
 def bandwidth(dbl, sgl, inputs, base, ref):
     """The elementwise kernels' bytes against the memory's ceiling: inductor's own per-kernel measurement
     (profile_bandwidth: each Triton kernel timed alone at its first launch, its bytes from its buffers) of the
@@ -528,6 +542,7 @@ def bandwidth(dbl, sgl, inputs, base, ref):
         finally:
             logger.removeHandler(lines)
             logger.setLevel(before)
+        _keep_generated_code(OUT_DIR / f"kernels-{'static' if 'static' in name else 'default'}")
         calls = [c for c in lines.calls if c]
         (OUT_DIR / f"bandwidth-{'static' if 'static' in name else 'default'}.json").write_text(json.dumps(calls[:2]))
         if len(calls) < 2:
