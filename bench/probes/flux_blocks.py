@@ -538,7 +538,11 @@ def bandwidth(dbl, sgl, inputs, base, ref):
         try:
             with ctx():
                 run_variant(f"{name} (profile_bandwidth)", wd, ws, inputs,
-                            compile_opts={**base, "profile_bandwidth": True}, graphs=False, ref=ref)
+                            compile_opts={**base, "profile_bandwidth": True,
+                                          # each kernel's device time from the profiler's trace, not the timed loop
+                                          # (which clones in-place buffers and counts host gaps)
+                                          "profile_bandwidth_with_do_bench_using_profiling": True},
+                            graphs=False, ref=ref)
         finally:
             logger.removeHandler(lines)
             logger.setLevel(before)
