@@ -49,7 +49,7 @@ HEADROOM = 2 * 1024**3  # device memory the process needs beside the weights: it
 PACKAGE = __name__.rsplit(".core.", 1)[0]  # the name this plugin's package is imported under (ComfyUI: its folder)
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: hashed by identity (RUNNING)
 class Job:
     """One shape compiling in a separate process. state: "running", "ready" (its package is on disk), "failed" or
     "refused" (it never started); why: the reason for the last two."""
@@ -64,6 +64,7 @@ class Job:
     started: float = dataclasses.field(default_factory=time.monotonic)
     seconds: float | None = None  # wall time from start to finish
     uncompiled_calls: int = 0  # this process's model calls that ran uncompiled while it compiled
+    nbytes: int = 0  # device memory its rebuilt model takes
     taken: bool = False  # the model has taken the outcome in (CompiledFlux)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -85,6 +86,7 @@ class Job:
         return self.state
 
     def _finish(self) -> None:
+        RUNNING.discard(self)
         self.seconds = round(time.monotonic() - self.started, 1)
         try:
             result = json.loads(self.result_path.read_text())
@@ -125,17 +127,23 @@ class Job:
         return f"compiled in this process: {self.why}"
 
 
+RUNNING: "set[Job]" = set()  # this process's separate compiles not finished yet (any model): their memory is counted
+
+
 def room(device: torch.device, nbytes: int) -> str:
-    """Why the device has no room for a second copy of the weights ('' where it has)."""
+    """Why the device has no room for a second copy of the weights ('' where it has). The separate compiles still
+    running count in full: one that has not allocated yet would otherwise be counted as free memory."""
     device = torch.device(device)
     if device.type != "cuda":
         return ""
     free, _ = torch.cuda.mem_get_info(device)
-    if free >= nbytes + HEADROOM:
+    busy = sum(j.nbytes + HEADROOM for j in list(RUNNING) if j.state == "running")
+    if free >= nbytes + HEADROOM + busy:
         return ""
     gib = 1024**3
+    others = f" beside {busy / gib:.1f} GiB for the separate compile(s) still running" if busy else ""
     return (f"the GPU has {free / gib:.1f} GiB free and a separate compile needs {(nbytes + HEADROOM) / gib:.1f} GiB "
-            f"(the weights once more)")
+            f"(the weights once more){others}")
 
 
 class SeparateCompiles:
@@ -161,7 +169,7 @@ class SeparateCompiles:
             return self._refuse(key, Job(shape, sig, "refused", why))
         base = self.store.dir / f"{self.store.key}-{sig}"
         job = Job(shape, sig, "running", log_path=base.with_suffix(f".compile{os.getpid()}.log"),
-                  result_path=base.with_suffix(f".result{os.getpid()}.json"))
+                  result_path=base.with_suffix(f".result{os.getpid()}.json"), nbytes=nbytes)
         header = {"key": self.store.key, "signature": sig, "cache_dir": str(self.store.dir), "device": str(self.device),
                   "call": call_description(args, portable(kwargs)),
                   "config": dataclasses.asdict(self.config), "package": PACKAGE,
@@ -179,6 +187,7 @@ class SeparateCompiles:
         except (OSError, pickle.PicklingError, ValueError) as e:
             return self._refuse(key, Job(shape, sig, "refused", f"could not start it ({type(e).__name__}: {e})"))
         self.jobs[key] = job
+        RUNNING.add(job)
         log.info("FluxAccel: compiling %s in a separate process (pid %d, log %s); until it is ready this model runs "
                  "uncompiled, each call counted", shape, job.proc.pid, job.log_path)
         return job

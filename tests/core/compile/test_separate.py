@@ -118,8 +118,18 @@ def test_a_process_that_fails_is_said_with_its_log(fp8_model, tmp_path, monkeypa
 
 
 def test_room_on_a_gpu_counts_the_weights_once_more(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * 1024**3, 80 * 1024**3))
-    assert separate.room(torch.device("cuda:0"), 7 * 1024**3) == ""
-    why = separate.room(torch.device("cuda:0"), 9 * 1024**3)
-    assert why == "the GPU has 10.0 GiB free and a separate compile needs 11.0 GiB (the weights once more)"
+    gib = 1024**3
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * gib, 80 * gib))
+    assert separate.room(torch.device("cuda:0"), 17 * gib) == ""
+    why = separate.room(torch.device("cuda:0"), 19 * gib)
+    assert why == "the GPU has 20.0 GiB free and a separate compile needs 21.0 GiB (the weights once more)"
     assert separate.room(torch.device("cpu"), 10**15) == ""
+    # a separate compile still running counts in full, whether or not its process has allocated yet
+    running = separate.Job("another shape", "0" * 16, "running", nbytes=7 * gib)
+    monkeypatch.setattr(separate, "RUNNING", {running})
+    assert separate.room(torch.device("cuda:0"), 8 * gib) == ""
+    assert separate.room(torch.device("cuda:0"), 10 * gib) == (
+        "the GPU has 20.0 GiB free and a separate compile needs 12.0 GiB (the weights once more) beside 9.0 GiB for "
+        "the separate compile(s) still running")
+    running.state = "ready"
+    assert separate.room(torch.device("cuda:0"), 10 * gib) == ""
