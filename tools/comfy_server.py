@@ -169,7 +169,8 @@ class ComfyServer:
 
         t0 = time.monotonic()
         while True:
-            started, ended = len(SEPARATE_START.findall(text())), list(SEPARATE_END.finditer(text()))
+            said = text()
+            started, ended = len(SEPARATE_START.findall(said)), list(SEPARATE_END.finditer(said))
             if len(ended) >= started:
                 break
             if time.monotonic() - t0 > timeout:

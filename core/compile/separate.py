@@ -155,10 +155,10 @@ class SeparateCompiles:
 
     def start(self, key, sig: str, dm: torch.nn.Module, args: tuple, kwargs: dict) -> Job:
         """Start compiling this call's shape in a separate process, or say why not (a "refused" job)."""
-        shape = key.describe()
+        shape, kwargs = key.describe(), portable(kwargs)
         try:
             model, nbytes = skeleton.dumps(dm)
-            call, _ = skeleton.dumps((args, portable(kwargs)))
+            call, _ = skeleton.dumps((args, kwargs))
         except skeleton.NotPortable as e:
             return self._refuse(key, Job(shape, sig, "refused", f"the model or its call cannot be rebuilt in "
                                                                  f"another process ({e})"))
@@ -171,7 +171,7 @@ class SeparateCompiles:
         job = Job(shape, sig, "running", log_path=base.with_suffix(f".compile{os.getpid()}.log"),
                   result_path=base.with_suffix(f".result{os.getpid()}.json"), nbytes=nbytes)
         header = {"key": self.store.key, "signature": sig, "cache_dir": str(self.store.dir), "device": str(self.device),
-                  "call": call_description(args, portable(kwargs)),
+                  "call": call_description(args, kwargs),
                   "config": dataclasses.asdict(self.config), "package": PACKAGE,
                   "package_dir": str(Path(__file__).resolve().parents[2]), "sys_path": list(sys.path),
                   "result": str(job.result_path)}
