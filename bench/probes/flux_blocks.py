@@ -562,6 +562,109 @@ def bandwidth(dbl, sgl, inputs, base, ref):
              top_single=[(k[:70], t, b, round(b / t * 1e3)) for t, b, k in sorted(sgl_rows, reverse=True)[:10]])
 
 
+class _GeluFp8(torch.nn.Module):
+    """Lever probe: an MLP's GELU and its second (FP8 plain) Linear's row-wise activation quantization in one pass
+    (core/quant/act_quant.py), then the same FP8 GEMM. gelu_from: the first column GELU applies to (the single
+    block's input is its attention output concatenated before the MLP's)."""
+
+    def __init__(self, lin, gelu_from=0):
+        super().__init__()
+        self.lin, self.gelu_from = lin, gelu_from
+
+    def forward(self, x):
+        from fluxaccel.core.quant import act_quant, fp8
+
+        ao, lin, kw = fp8.float8_ops(), self.lin, self.lin.fp8_act_kwargs
+        q, scale = act_quant.gelu_rowwise_fp8(x, self.gelu_from, kw.hp_value_lb, kw.hp_value_ub)
+        a, b = ao.preprocess_data(q, lin.weight.t(), lin.fp8_mm_config)
+        out = ao.addmm(a, scale, b, lin.fp8_weight_scale.t(), output_dtype=x.dtype, bias=lin.bias,
+                       use_fast_accum=lin.fp8_mm_config.use_fast_accum)
+        return out.reshape(*x.shape[:-1], lin.weight.shape[0])
+
+
+def fused_copy(dbl, sgl, single: bool):
+    """FP8 per-row plain copies of the blocks with the MLP's GELU fused into the next Linear's quantization (double
+    blocks' img/txt MLPs; with `single`, the single block's linear2 too, after its concatenation)."""
+    d, s_ = fp8_copy(dbl, "per_row", "plain"), fp8_copy(sgl, "per_row", "plain")
+    for mlp in (d.img_mlp, d.txt_mlp):
+        mlp[1], mlp[2] = torch.nn.Identity(), _GeluFp8(mlp[2])
+    if single:
+        s_.mlp_act, s_.linear2 = torch.nn.Identity(), _GeluFp8(s_.linear2, s_.hidden_size)
+    return d, s_
+
+
+def kernel_table(name, fd, fs, inputs):
+    """Every kernel of one double and one single block call, device time from the profiler (mean of 5 calls)."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    img, txt, vec, pe, x, vs = inputs
+    out = {}
+    with torch.inference_mode():
+        for part, fn in (("double", lambda: fd(img, txt, vec, pe)), ("single", lambda: fs(x, vs, pe))):
+            for _ in range(2):
+                fn()
+            torch.cuda.synchronize()
+            with prof(activities=[ProfilerActivity.CUDA]) as p:
+                for _ in range(5):
+                    fn()
+                torch.cuda.synchronize()
+            rows = []
+            for ev in p.key_averages():
+                us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+                if us > 0 and str(getattr(ev, "device_type", "CUDA")).endswith("CUDA"):
+                    rows.append((ev.key, round(us / 5 / 1000, 4)))
+            out[part] = sorted(rows, key=lambda r: -r[1])
+    emit("kernels", name=name, **out, **{f"{k}_ms_sum": round(sum(t for _, t in v), 4) for k, v in out.items()})
+
+
+def fused(dbl, sgl, inputs, base, ref):
+    """Row-wise FP8 quantization in one pass: inductor's persistent reductions forced (multi_kernel 2) or chosen per
+    kernel at run time (multi_kernel 1), and the MLP's GELU + quantization as one hand-written kernel, against the
+    default (FP8 per-row plain, cuDNN-first attention, torch RoPE, no CUDA graphs), each with every kernel's time."""
+    from fluxaccel.core.compile.attention import OVERRIDE_KEY, sdpa_cudnn_first
+
+    opts = {OVERRIDE_KEY: sdpa_cudnn_first}
+    d, s_ = fp8_copy(dbl, "per_row", "plain"), fp8_copy(sgl, "per_row", "plain")
+    wd, ws = _Opts(d, opts, True), _Opts(s_, opts, True)
+    r = run_variant("default: fp8 row plain compile", wd, ws, inputs, compile_opts=base, graphs=False, ref=ref)
+    if r:
+        kernel_table("default: fp8 row plain compile", r[2], r[3], inputs)
+    _keep_generated_code(OUT_DIR / "kernels-default")
+    for mk in (2, 1):
+        name = f"multi_kernel {mk} ({'persistent reductions forced' if mk == 2 else 'chosen at run time'})"
+        r = run_variant(name, wd, ws, inputs, compile_opts={**base, "triton.multi_kernel": mk}, graphs=False, ref=ref)
+        if r:
+            kernel_table(name, r[2], r[3], inputs)
+    _keep_generated_code(OUT_DIR / "kernels-multi-kernel")
+    fd_, fs_ = fused_copy(dbl, sgl, single=True)
+    fwd, fws = _Opts(fd_, opts, True), _Opts(fs_, opts, True)
+    r = run_variant("fused GELU+quant kernel (double and single MLPs)", fwd, fws, inputs, compile_opts=base,
+                    graphs=False, ref=ref)
+    if r:
+        kernel_table("fused GELU+quant kernel (double and single MLPs)", r[2], r[3], inputs)
+    _keep_generated_code(OUT_DIR / "kernels-fused")
+    r = run_variant("fused GELU+quant kernel + multi_kernel 2", fwd, fws, inputs,
+                    compile_opts={**base, "triton.multi_kernel": 2}, graphs=False, ref=ref)
+    if r:
+        kernel_table("fused GELU+quant kernel + multi_kernel 2", r[2], r[3], inputs)
+    fd2, _ = fused_copy(dbl, sgl, single=False)
+    run_variant("fused GELU+quant kernel (double MLPs only) + multi_kernel 2", _Opts(fd2, opts, True), ws, inputs,
+                compile_opts={**base, "triton.multi_kernel": 2}, graphs=False, ref=ref)
+    # the op alone against its torch reference, at the double block's MLP shape
+    from fluxaccel.core.quant import act_quant
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    h = (torch.randn(4096, 12288, device=DEV, generator=g) * 2).to(torch.bfloat16)
+    for gf in (0, 3072):
+        q, sc = act_quant.gelu_rowwise_fp8(h, gf)
+        rq, rs = act_quant.reference(h, gf)
+        emit("gelu_rowwise_fp8", gelu_from=gf, scale_equal=bool(torch.equal(sc, rs)),
+             q_mismatch_frac=float((q.float() != rq.float()).float().mean()),
+             q_max_abs_diff=float((q.float() - rq.float()).abs().max()),
+             ms=round(bench_ms(lambda: act_quant.gelu_rowwise_fp8(h, gf)), 4),
+             reference_eager_ms=round(bench_ms(lambda: act_quant.reference(h, gf)), 4))
+
+
 def flux2(base):
     """The per-step levers on FLUX.2 [dev]'s blocks (a step estimated as 8 double + 48 single)."""
     global BLOCKS, TAG
@@ -610,6 +713,9 @@ def main():
     ap.add_argument("--bandwidth", action="store_true",
                     help="the compiled blocks' Triton kernels, bytes and time each (inductor's profile_bandwidth), "
                          "against a device copy's bandwidth: the default and static activation scales")
+    ap.add_argument("--fused", action="store_true",
+                    help="row-wise FP8 quantization in one pass: inductor's persistent reductions, and the MLP's GELU + "
+                         "quantization as one kernel, against the default, with every kernel's time")
     ap.add_argument("--layouts", action="store_true",
                     help="only FP8 per-row compile+graphs in the Float8Tensor vs plain layout, and a kernel profile of each")
     a = ap.parse_args()
@@ -618,7 +724,8 @@ def main():
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     emit("env", torch=torch.__version__, gpu=torch.cuda.get_device_name(0),
          cudnn=torch.backends.cudnn.version())
-    if not (a.skip_micro or a.layouts or a.levers or a.fa3 or a.gemm_cases or a.bandwidth):
+    if not (a.skip_micro or a.layouts or a.levers or a.fa3 or a.gemm_cases or a.bandwidth
+            or a.fused):
         sdpa_backends()
         gemms()
     for case in filter(None, a.gemm_cases.split(",")):
@@ -643,6 +750,10 @@ def main():
         if a.flux2:
             del dbl, sgl, eager
             flux2(base)
+        table()
+        return
+    if a.fused:
+        fused(dbl, sgl, inputs, base, ref)
         table()
         return
     if a.bandwidth:

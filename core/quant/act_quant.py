@@ -1,0 +1,79 @@
+"""FLUX's MLP activation and its row-wise FP8 quantization in one pass over memory.
+
+The second Linear of a FLUX MLP takes GELU(tanh) of the first one's output (the single block: its attention output
+concatenated before it). With dynamic row-wise FP8 (fp8.py), inductor fuses GELU, the row's absmax and the cast into
+one reduction kernel that reads each row twice and evaluates GELU twice. `gelu_rowwise_fp8` does it in one pass:
+one program per row holds the whole row in registers, evaluates GELU once, reduces, scales and casts.
+
+Numerics are torchao's dynamic row-wise activation quantization of the bf16 GELU output (fp8.fp8_linear): GELU
+rounded to the input's dtype as eager rounds it, scale = the row's absmax / 448 (with torchao's lower/upper bounds
+on the absmax where set), values divided by the scale, clamped to +-448 and rounded to e4m3. On the GPU a Triton
+kernel (`torch.library.triton_op`, so inductor compiles it into the graph); elsewhere the same in torch.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest value
+OP_NAME = "fluxaccel::gelu_rowwise_fp8"
+
+
+def reference(x: torch.Tensor, gelu_from: int, lb: float | None = None, ub: float | None = None):
+    """(q, scale) of x (M, N): GELU(tanh) on the columns from `gelu_from` on, then torchao's row-wise FP8."""
+    h = torch.cat([x[:, :gelu_from], torch.nn.functional.gelu(x[:, gelu_from:], approximate="tanh")], 1) \
+        if gelu_from else torch.nn.functional.gelu(x, approximate="tanh")
+    amax = h.abs().amax(-1, keepdim=True).float()
+    if lb is not None or ub is not None:
+        amax = amax.clamp(min=lb, max=ub)
+    scale = amax / FP8_MAX
+    q = (h.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def _kernel():
+    """The Triton kernel (its module imports triton: imported here, at a GPU call, not with FluxAccel)."""
+    from .act_quant_kernel import gelu_rowwise_fp8_kernel
+
+    return gelu_rowwise_fp8_kernel
+
+
+def _gpu(x, gelu_from, lb, ub):
+    import triton
+    from torch.library import wrap_triton
+
+    m, n = x.shape
+    q = torch.empty((m, n), device=x.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty((m, 1), device=x.device, dtype=torch.float32)
+    block = triton.next_power_of_2(n)
+    wrap_triton(_kernel())[(m,)](x, q, s, n, x.stride(0), q.stride(0), 0.0 if lb is None else lb,
+                                 0.0 if ub is None else ub, GELU_FROM=gelu_from, HAS_LB=lb is not None,
+                                 HAS_UB=ub is not None, BLOCK=block, num_warps=min(16, max(4, block // 1024)))
+    return q, s
+
+
+def _op_body(x: torch.Tensor, gelu_from: int, lb: float | None, ub: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.device.type == "cuda":
+        return _gpu(x, gelu_from, lb, ub)
+    return reference(x, gelu_from, lb, ub)
+
+
+_OP = None
+
+
+def op():
+    """The registered operator (registered once, at first use)."""
+    global _OP
+    if _OP is None:
+        from torch.library import triton_op
+
+        _OP = triton_op(OP_NAME, mutates_args=())(_op_body)
+    return _OP
+
+
+def gelu_rowwise_fp8(x: torch.Tensor, gelu_from: int = 0, lb: float | None = None, ub: float | None = None):
+    """(q, scale): x (..., N) in bf16 with GELU(tanh) applied from column `gelu_from` on, quantized to FP8 e4m3 with
+    one scale per row (float32, shape (rows, 1)); q has shape (rows, N)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return op()(x2, int(gelu_from), lb, ub)
