@@ -6,8 +6,8 @@ one reduction kernel that reads each row twice and evaluates GELU twice. `gelu_r
 one program per row holds the whole row in registers, evaluates GELU once, reduces, scales and casts.
 
 Numerics are torchao's dynamic row-wise activation quantization of the bf16 GELU output (fp8.fp8_linear): GELU
-rounded to the input's dtype as eager rounds it, scale = the row's absmax / 448 (with torchao's lower/upper bounds
-on the absmax where set), values divided by the scale, clamped to +-448 and rounded to e4m3. On the GPU a Triton
+rounded to the input's dtype as eager rounds it, scale = the row's absmax / 448 in that dtype (with torchao's
+lower/upper bounds on the absmax where set), values divided by the scale, clamped to +-448 and rounded to e4m3. On the GPU a Triton
 kernel (`torch.library.triton_op`, so inductor compiles it into the graph); elsewhere the same in torch.
 """
 from __future__ import annotations
@@ -22,10 +22,10 @@ def reference(x: torch.Tensor, gelu_from: int, lb: float | None = None, ub: floa
     """(q, scale) of x (M, N): GELU(tanh) on the columns from `gelu_from` on, then torchao's row-wise FP8."""
     h = torch.cat([x[:, :gelu_from], torch.nn.functional.gelu(x[:, gelu_from:], approximate="tanh")], 1) \
         if gelu_from else torch.nn.functional.gelu(x, approximate="tanh")
-    amax = h.abs().amax(-1, keepdim=True).float()
+    amax = h.abs().amax(-1, keepdim=True)
     if lb is not None or ub is not None:
         amax = amax.clamp(min=lb, max=ub)
-    scale = amax / FP8_MAX
+    scale = (amax / FP8_MAX).float()  # divided in the activation's dtype, as torchao divides
     q = (h.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 

@@ -8,7 +8,7 @@ def gelu_rowwise_fp8_kernel(x_ptr, q_ptr, s_ptr, n_cols, x_stride, q_stride, lb,
                             GELU_FROM: tl.constexpr, HAS_LB: tl.constexpr, HAS_UB: tl.constexpr,
                             BLOCK: tl.constexpr):
     """One program per row, the whole row in registers: GELU(tanh) from column GELU_FROM on, rounded to the input's
-    dtype; the row's absmax (bounded by lb/ub where set) / 448 as its scale; the row divided, clamped, cast to e4m3."""
+    dtype; the row's absmax (bounded by lb/ub where set) / 448, rounded to the input's dtype, as its scale; the row divided, clamped, cast to e4m3."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -19,10 +19,10 @@ def gelu_rowwise_fp8_kernel(x_ptr, q_ptr, s_ptr, n_cols, x_stride, q_stride, lb,
     h = tl.where(cols >= GELU_FROM, g, x).to(tl.float32)
     amax = tl.max(tl.where(mask, tl.abs(h), 0.0), 0)
     if HAS_LB:
-        amax = tl.maximum(amax, lb)
+        amax = tl.maximum(amax, lb).to(x.dtype).to(tl.float32)
     if HAS_UB:
-        amax = tl.minimum(amax, ub)
-    scale = tl.math.div_rn(amax, 448.0)
-    q = tl.clamp(tl.math.div_rn(h, scale), -448.0, 448.0).to(tl.float8e4nv)
+        amax = tl.minimum(amax, ub).to(x.dtype).to(tl.float32)
+    scale = tl.math.div_rn(amax, 448.0).to(x.dtype).to(tl.float32)  # divided in the input's dtype, as torchao does
+    q = tl.clamp(tl.math.div_rn(h, scale), -448.0, 448.0).to(q_ptr.dtype.element_ty)  # e4m3 (float32: unrounded)
     tl.store(q_ptr + row * q_stride + cols, q, mask=mask)
     tl.store(s_ptr + row, scale)

@@ -1,0 +1,104 @@
+"""core/quant/act_quant.py: GELU and row-wise FP8 activation quantization in one pass, against torchao's own
+quantization of torch's GELU."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fluxaccel.core.quant import act_quant
+from fluxaccel.core.quant.fp8 import float8_ops
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _rows(seed: int = 0, m: int = 12, n: int = 320):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, n, generator=g) * torch.logspace(-2, 1, m)[:, None]  # rows of very different ranges
+    return x.to(torch.bfloat16)
+
+
+def _torchao(h: torch.Tensor, lb=None, ub=None):
+    """torchao's dynamic row-wise FP8 of h, as fp8.fp8_linear calls it."""
+    ao = float8_ops()
+    scale = ao.choose_scale(h, float8_dtype=torch.float8_e4m3fn, block_size=[1, h.shape[-1]], hp_value_lb=lb,
+                            hp_value_ub=ub)
+    return ao.quantize(h, scale, torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("gelu_from", [0, 64])
+def test_reference_is_torchao_row_wise_fp8_of_torch_gelu(gelu_from):
+    x = _rows()
+    h = torch.cat([x[:, :gelu_from], torch.nn.functional.gelu(x[:, gelu_from:], approximate="tanh")], 1)
+    q, scale = act_quant.reference(x, gelu_from)
+    tq, tscale = _torchao(h)
+    assert torch.equal(scale, tscale) and scale.shape == (x.shape[0], 1)
+    assert torch.equal(q.float(), tq.float())
+    assert not torch.equal(q.float()[:, :gelu_from], _torchao(torch.nn.functional.gelu(x, approximate="tanh"))[0]
+                           .float()[:, :gelu_from]) or gelu_from == 0, "columns before gelu_from take no GELU"
+
+
+def test_bounds_on_the_absmax_are_torchaos():
+    x = _rows(1)
+    q, scale = act_quant.reference(x, 0, lb=0.5, ub=2.0)
+    tq, tscale = _torchao(torch.nn.functional.gelu(x, approximate="tanh"), lb=0.5, ub=2.0)
+    bf16 = lambda v: float(torch.tensor(v, dtype=torch.bfloat16))  # noqa: E731  (torchao divides in bf16)
+    assert torch.equal(scale, tscale) and float(scale.min()) == bf16(0.5 / 448) and \
+        float(scale.max()) == bf16(2.0 / 448)
+    assert torch.equal(q.float(), tq.float())
+
+
+def test_the_registered_op_eager_and_compiled_equals_the_reference():
+    """Off the GPU the op runs the reference; compiled, inductor compiles that into the graph: same values."""
+    x = _rows(2).reshape(3, 4, 320)  # leading dims are flattened into rows
+    rq, rs = act_quant.reference(x.reshape(-1, 320), 32)
+    q, s = act_quant.gelu_rowwise_fp8(x, 32)
+    assert torch.equal(q.float(), rq.float()) and torch.equal(s, rs)
+    torch._dynamo.reset()
+    cq, cs = torch.compile(lambda t: act_quant.gelu_rowwise_fp8(t, 32), dynamic=False,
+                           options={"emulate_precision_casts": True})(x)  # as FluxAccel compiles
+    assert torch.equal(cq.float(), rq.float()) and torch.equal(cs, rs)
+    assert hasattr(torch.ops.fluxaccel, "gelu_rowwise_fp8")
+
+
+_INTERPRETED = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from tools.plugin import register
+register()
+from fluxaccel.core.quant import act_quant
+g = torch.Generator().manual_seed(3)
+x = (torch.randn(16, 300, generator=g) * torch.logspace(-2, 1, 16)[:, None]).to(torch.bfloat16)
+out = {}
+for gelu_from in (0, 100):
+    h = torch.cat([x[:, :gelu_from], torch.nn.functional.gelu(x[:, gelu_from:], approximate="tanh")], 1)
+    _, rs = act_quant.reference(x, gelu_from)
+    rv = (h.float() / rs).clamp(-448, 448)  # the reference's values before their cast to e4m3
+    v, s = torch.empty(16, 300), torch.empty_like(rs)  # a float32 output: the kernel's values before the cast
+    act_quant._kernel()[(16,)](x, v, s, 300, x.stride(0), v.stride(0), 0.0, 0.0, GELU_FROM=gelu_from, HAS_LB=False,
+                               HAS_UB=False, BLOCK=512)
+    out[gelu_from] = (float(((s - rs) / rs).abs().max()), float(((v - rv).abs() / rv.abs().clamp(min=1)).max()),
+                      float((v - rv).abs().max()))
+print(out)
+"""
+
+
+def test_the_triton_kernel_in_tritons_interpreter_matches_the_reference(tmp_path):
+    """The GPU kernel run by Triton's CPU interpreter (its rows, columns, GELU from gelu_from on, reduction and
+    scaling), writing its values before the e4m3 cast (a float32 output): each row's scale and every value as the
+    reference's, up to the interpreter's bf16 casts, which truncate (the GPU's rounding and e4m3 cast are compared
+    with the reference on the GPU, in bench/probes/flux_blocks.py --fused)."""
+    pytest.importorskip("triton")
+    script = tmp_path / "interpreted.py"
+    script.write_text(_INTERPRETED)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(script), str(ROOT)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = eval(done.stdout.strip().splitlines()[-1])  # noqa: S307  (our own script's printed dict)
+    for gelu_from, (scale_err, value_err, _) in result.items():
+        # truncations of one bf16 step (2^-7 relative at most) each: the GELU value and the absmax, the scale; the
+        # value divided by the scale adds its own (a wrong column, GELU or scale would be off by far more)
+        assert scale_err < 2 * 2 ** -7 and value_err < 3 * 2 ** -7, (gelu_from, result)
