@@ -51,6 +51,9 @@ class Fp8Config:
     granularity: Granularity = "per_row"
     scope: Scope = "blocks"
     layout: Layout = DEFAULT_LAYOUT
+    # the MLP's GELU moved into the next FP8 Linear, GELU and row-wise quantization in one pass (gelu_fusion.py);
+    # per_row scales and the plain layout only (gelu_fusion_unavailable says why not)
+    fuse_gelu: bool = True
 
     def __post_init__(self):
         if self.granularity not in GRANULARITIES:
@@ -62,7 +65,19 @@ class Fp8Config:
 
     def key(self) -> list[str]:
         """What identifies this config in a model's options (and in compile-cache keys)."""
+        return self.weights_key() + (["gelu-fused"] if self.fuse_gelu and not self.gelu_fusion_unavailable() else [])
+
+    def weights_key(self) -> list[str]:
+        """What decides the FP8 weights themselves (the FP8 weights cache's key)."""
         return [self.granularity, self.scope, self.layout]
+
+    def gelu_fusion_unavailable(self) -> str:
+        """Why this config cannot fuse GELU into the FP8 quantization ('' where it can)."""
+        if self.granularity != "per_row":
+            return "per_tensor activation scales need the whole tensor's absmax before any row is quantized"
+        if self.layout != "plain":
+            return "the subclass layout quantizes inside torchao's Float8Tensor"
+        return ""
 
     def torchao_config(self):
         """The torchao config; set_inductor_config=False keeps process-wide inductor settings untouched, and the
@@ -166,7 +181,23 @@ def fp8_linear(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, bia
     else:
         x_scale = act_scale.reshape([1] * x.dim()).expand([n // b for n, b in zip(x.shape, block)]).contiguous()
     x_data = ao.quantize(x, x_scale, act_kwargs.float8_dtype)
-    a, b = ao.preprocess_data(x_data.reshape(-1, x_data.shape[-1]), w_data.t(), mm_config)
-    out = ao.addmm(a, ao.preprocess_scale(x_scale, x.shape), b, w_scale.t(),
-                   output_dtype=x.dtype, bias=bias, use_fast_accum=mm_config.use_fast_accum)
+    return _scaled_gemm(ao, x_data.reshape(-1, x_data.shape[-1]), ao.preprocess_scale(x_scale, x.shape), w_data,
+                        w_scale, bias, mm_config, x)
+
+
+def _scaled_gemm(ao, x_data, x_scale, w_data, w_scale, bias, mm_config, x):
+    """torchao's scaled GEMM of quantized rows x_data (M, K) with their scales (M, 1) or (1, 1), shaped as x."""
+    a, b = ao.preprocess_data(x_data, w_data.t(), mm_config)
+    out = ao.addmm(a, x_scale, b, w_scale.t(), output_dtype=x.dtype, bias=bias, use_fast_accum=mm_config.use_fast_accum)
     return out.reshape(*x.shape[:-1], w_data.shape[0])
+
+
+def fp8_linear_gelu(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                    act_kwargs, mm_config, gelu_from: int) -> torch.Tensor:
+    """fp8_linear of x with GELU(tanh) applied to its columns from `gelu_from` on, the GELU and the row-wise
+    activation quantization done in one pass (act_quant.py); per-row activation scales only."""
+    from .act_quant import gelu_rowwise_fp8
+
+    ao = _AO or float8_ops()
+    x_data, x_scale = gelu_rowwise_fp8(x, gelu_from, act_kwargs.hp_value_lb, act_kwargs.hp_value_ub)
+    return _scaled_gemm(ao, x_data, x_scale, w_data, w_scale, bias, mm_config, x)

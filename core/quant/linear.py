@@ -12,7 +12,7 @@ from ..env import require_torchao
 from ..errors import FluxAccelError
 from ..upstream import Unavailable, say, torch_internals
 from ..upstream.torchao_internals import map_float8_data
-from .fp8 import Fp8Config, float8_ops, fp8_linear, is_fp8_weight
+from .fp8 import Fp8Config, float8_ops, fp8_linear, fp8_linear_gelu, is_fp8_weight
 
 
 class _Fp8DeviceMove:
@@ -70,15 +70,30 @@ class _Fp8Plain(_Fp8DeviceMove):
     runs fp8_linear with the torchao kwargs kept from quantization. ComfyUI's per-call cast and weight-function
     paths are bypassed (the FP8 GEMM returns the activation dtype itself; weight patches are refused)."""
 
+    gelu_from = None  # gelu_fusion.py: the first input column that is a GELU's output, the GELU done here
+
     def forward(self, x, *args, **kwargs):
         return self.fp8_forward(x)
 
     def fp8_forward(self, x, act_scale=None):
-        """The FP8 GEMM of x, with each call's activation scales or a static one (static_scales.py)."""
+        """The FP8 GEMM of x, with each call's activation scales or a static one (static_scales.py); where a GELU was
+        fused into this Linear (gelu_from), GELU and the row-wise quantization in one pass (dynamic scales)."""
         if self.weight_function or self.bias_function:
             self.convert_weight(self.weight)  # a lowvram/LoRA weight function reached an FP8 Linear: refuse
+        if self.gelu_from is not None:
+            if act_scale is None:
+                return fp8_linear_gelu(x, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs,
+                                       self.fp8_mm_config, self.gelu_from)
+            x = self.activation_input(x)
         return fp8_linear(x, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs, self.fp8_mm_config,
                           act_scale)
+
+    def activation_input(self, x):
+        """What this Linear quantizes of its input x: x itself, or x with the fused GELU applied (gelu_from)."""
+        if self.gelu_from is None:
+            return x
+        gelu = torch.nn.functional.gelu(x[..., self.gelu_from:], approximate="tanh")
+        return torch.cat([x[..., :self.gelu_from], gelu], -1) if self.gelu_from else gelu
 
 
 _FP8_CLASSES: dict[tuple[type, str], type] = {}

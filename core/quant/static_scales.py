@@ -62,7 +62,7 @@ class StaticFp8Linear(torch.nn.Module):
         q = self.inner
         if self.act_scale is None:  # calibrating, or not reached by calibration: dynamic scales
             if self.observing:
-                seen = x.detach().abs().amax().float()
+                seen = q.activation_input(x.detach()).abs().amax().float()
                 self.amax = seen if self.amax is None else torch.maximum(self.amax, seen)
             return q(x, *args, **kwargs)
         # float32 again where a cast of the model rounded the buffer (the cast and the GEMM use the same value anyway)

@@ -82,7 +82,7 @@ def entry_for(model, cfg, compute_dtype, patched: list[str]) -> Entry:
         ident = source_identity(source)
     except OSError as e:
         return Entry(None, f"cannot read {source}: {e}")
-    return Entry({"format": FORMAT, "source": ident, "fp8": cfg.key(), "compute_dtype": str(compute_dtype),
+    return Entry({"format": FORMAT, "source": ident, "fp8": cfg.weights_key(), "compute_dtype": str(compute_dtype),
                   "options": comfy_internals.load_options(model),
                   "versions": {p: package_version(p) for p in ("torch", "torchao", "comfyui-fluxaccel")}})
 

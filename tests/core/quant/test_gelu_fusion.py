@@ -1,0 +1,94 @@
+"""core/quant/gelu_fusion.py: FLUX's MLP GELUs moved into the next FP8 Linear's quantization, on a real ComfyUI FLUX
+model through Quantize FP8's apply_fp8."""
+import pytest
+import torch
+
+from fluxaccel.core.quant import gelu_fusion
+from fluxaccel.core.quant.fp8 import Fp8Config
+from fluxaccel.core.quant.patch import apply_fp8, fp8_state, remove_fp8
+from fluxaccel.core.quant.static_scales import StaticFp8Linear
+from support.runs import flux_inputs, forward
+
+
+def _gelus(model) -> list[str]:
+    return [n for n, m in model.model.diffusion_model.named_modules() if isinstance(m, torch.nn.GELU)]
+
+
+def test_the_sites_of_comfyuis_flux_are_every_mlp(tiny_flux):
+    """Both MLPs of each double block (GELU between two Linears) and each single block's mlp_act, whose output
+    follows the attention output (hidden width) in linear2's input."""
+    dm = tiny_flux.model.diffusion_model
+    sites, kept = gelu_fusion.find_sites(dm)
+    assert kept == {}
+    hidden = dm.hidden_size
+    assert {(s.gelu, s.linear, s.gelu_from) for s in sites} == {
+        *((f"double_blocks.{i}.{s}_mlp.1", f"double_blocks.{i}.{s}_mlp.2", 0) for i in (0, 1) for s in ("img", "txt")),
+        *((f"single_blocks.{i}.mlp_act", f"single_blocks.{i}.linear2", hidden) for i in (0, 1))}
+    assert sorted(s.gelu for s in sites) == sorted(_gelus(tiny_flux))
+
+
+def test_a_single_block_written_otherwise_keeps_its_gelu(tiny_flux):
+    dm = tiny_flux.model.diffusion_model
+    block_cls = type(dm.single_blocks[0])
+
+    class Rewritten(block_cls):
+        def forward(self, x, *args, **kwargs):  # GELU applied elsewhere than right before linear2's concatenation
+            return super().forward(x, *args, **kwargs)
+
+    dm.single_blocks[0].__class__ = Rewritten
+    try:
+        sites, kept = gelu_fusion.find_sites(dm)
+    finally:
+        dm.single_blocks[0].__class__ = block_cls
+    assert "single_blocks.0.linear2" not in {s.linear for s in sites} and len(sites) == 5
+    assert kept == {"single_blocks.0.mlp_act": "its block's forward is not the single block FluxAccel reads"}
+
+
+def test_fused_computes_what_unfused_does_and_remove_fp8_restores_the_gelus(cpu_fp8, tiny_flux):
+    """The fused clone's forward equals the unfused one's bit for bit (the same GELU and quantization, in one op); the
+    GELUs are Identity only in the fused clone's tree; remove_fp8 gives them back."""
+    inputs = flux_inputs(tiny_flux.model.diffusion_model)
+    fused, report = apply_fp8(tiny_flux, Fp8Config("per_row"))
+    plain, plain_report = apply_fp8(tiny_flux, Fp8Config("per_row", fuse_gelu=False))
+    assert "fused into the FP8 quantization of the next Linear (one pass) at 6 of 6 GELUs" in report.summary()
+    assert "MLP GELU kept separate (fuse_gelu off)" in plain_report.summary()
+    assert len(fp8_state(fused).gelu_keys) == 6 and fp8_state(plain).gelu_keys == ()
+    assert fp8_state(fused).config.key() != fp8_state(plain).config.key()
+    out = forward(fused, inputs)
+    assert _gelus(fused) == [] and fused.model.diffusion_model.single_blocks[0].linear2.gelu_from == \
+        tiny_flux.model.diffusion_model.hidden_size
+    assert torch.equal(out, forward(plain, inputs))
+    assert len(_gelus(plain)) == 6
+    back = remove_fp8(fused)
+    forward(back, inputs)
+    assert len(_gelus(back)) == 6 and not any(k in back.object_patches for k in fp8_state(fused).gelu_keys)
+
+
+@pytest.mark.parametrize("cfg, why", [(Fp8Config("per_tensor"), "per_tensor activation scales need the whole"),
+                                      (Fp8Config("per_row", layout="subclass"), "the subclass layout quantizes")])
+def test_configs_that_cannot_fuse_say_why(cpu_fp8, tiny_flux, cfg, why):
+    clone, report = apply_fp8(tiny_flux, cfg)
+    assert f"MLP GELU kept separate: {why}" in report.summary() and fp8_state(clone).gelu_keys == ()
+    assert cfg.key() == cfg.weights_key()
+
+
+def test_static_scales_observe_what_a_fused_linear_quantizes(cpu_fp8, tiny_flux):
+    """A static-scale wrapper around a fused Linear records GELU's output range (not its input's), and with its scale
+    set runs the GELU before the static quantization."""
+    fused, _ = apply_fp8(tiny_flux, Fp8Config("per_row"))
+    inner = fused.object_patches["diffusion_model.double_blocks.0.img_mlp.2"]
+    w = StaticFp8Linear(inner)
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(1, 8, inner.in_features, generator=g) * 3).to(torch.bfloat16)
+    w(x)
+    gelu = torch.nn.functional.gelu(x, approximate="tanh")
+    assert w.amax == gelu.abs().amax().float() and w.amax != x.abs().amax().float()
+    w.set_scale(1.0)
+    unfused = StaticFp8Linear(inner)
+    unfused.act_scale = w.act_scale
+    inner.gelu_from = None
+    try:
+        expected = unfused(gelu)
+    finally:
+        inner.gelu_from = 0
+    assert torch.equal(w(x), expected)
