@@ -50,6 +50,11 @@ CONFIGS = {
                                                       "resolution_policy": "strict", "max_shapes": 4,
                                                       "persistent_cache": False, "block_regions": True,
                                                       "separate_process": False})],
+    # the default with the MLP's GELU kept apart from its FP8 quantization (inductor's fused reduction instead)
+    "gelu-separate": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain",
+                                                     "fuse_gelu": False}),
+                      ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
+                                                 "max_shapes": 4, "persistent_cache": True, "block_regions": True})],
     "tuned": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
               ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "tuned-kernels", "resolution_policy": "strict",
                                          "max_shapes": 4, "persistent_cache": True, "block_regions": True})],
