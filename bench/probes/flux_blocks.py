@@ -617,52 +617,69 @@ def kernel_table(name, fd, fs, inputs):
     emit("kernels", name=name, **out, **{f"{k}_ms_sum": round(sum(t for _, t in v), 4) for k, v in out.items()})
 
 
-def fused(dbl, sgl, inputs, base, ref):
-    """Row-wise FP8 quantization in one pass: inductor's persistent reductions forced (multi_kernel 2) or chosen per
-    kernel at run time (multi_kernel 1), and the MLP's GELU + quantization as one hand-written kernel, against the
-    default (FP8 per-row plain, cuDNN-first attention, torch RoPE, no CUDA graphs), each with every kernel's time."""
-    from fluxaccel.core.compile.attention import OVERRIDE_KEY, sdpa_cudnn_first
-
-    opts = {OVERRIDE_KEY: sdpa_cudnn_first}
-    d, s_ = fp8_copy(dbl, "per_row", "plain"), fp8_copy(sgl, "per_row", "plain")
-    wd, ws = _Opts(d, opts, True), _Opts(s_, opts, True)
-    r = run_variant("default: fp8 row plain compile", wd, ws, inputs, compile_opts=base, graphs=False, ref=ref)
-    if r:
-        kernel_table("default: fp8 row plain compile", r[2], r[3], inputs)
-    _keep_generated_code(OUT_DIR / "kernels-default")
-    for mk in (2, 1):
-        name = f"multi_kernel {mk} ({'persistent reductions forced' if mk == 2 else 'chosen at run time'})"
-        r = run_variant(name, wd, ws, inputs, compile_opts={**base, "triton.multi_kernel": mk}, graphs=False, ref=ref)
-        if r:
-            kernel_table(name, r[2], r[3], inputs)
-    _keep_generated_code(OUT_DIR / "kernels-multi-kernel")
-    fd_, fs_ = fused_copy(dbl, sgl, single=True)
-    fwd, fws = _Opts(fd_, opts, True), _Opts(fs_, opts, True)
-    r = run_variant("fused GELU+quant kernel (double and single MLPs)", fwd, fws, inputs, compile_opts=base,
-                    graphs=False, ref=ref)
-    if r:
-        kernel_table("fused GELU+quant kernel (double and single MLPs)", r[2], r[3], inputs)
-    _keep_generated_code(OUT_DIR / "kernels-fused")
-    r = run_variant("fused GELU+quant kernel + multi_kernel 2", fwd, fws, inputs,
-                    compile_opts={**base, "triton.multi_kernel": 2}, graphs=False, ref=ref)
-    if r:
-        kernel_table("fused GELU+quant kernel + multi_kernel 2", r[2], r[3], inputs)
-    fd2, _ = fused_copy(dbl, sgl, single=False)
-    run_variant("fused GELU+quant kernel (double MLPs only) + multi_kernel 2", _Opts(fd2, opts, True), ws, inputs,
-                compile_opts={**base, "triton.multi_kernel": 2}, graphs=False, ref=ref)
-    # the op alone against its torch reference, at the double block's MLP shape
+def act_quant_kernel():
+    """The GELU + row-wise FP8 kernel alone at FLUX.1-dev's shapes, per warps-per-row setting, against its torch
+    reference (values) and a device copy (bandwidth); sets the fastest setting for the block variants."""
     from fluxaccel.core.quant import act_quant
 
+    ceiling = copy_ceiling()
     g = torch.Generator(device=DEV).manual_seed(3)
-    h = (torch.randn(4096, 12288, device=DEV, generator=g) * 2).to(torch.bfloat16)
-    for gf in (0, 3072):
-        q, sc = act_quant.gelu_rowwise_fp8(h, gf)
+    best = {}
+    for m, n, gf in ((4096, 12288, 0), (4608, 15360, 3072), (512, 12288, 0)):
+        h = (torch.randn(m, n, device=DEV, generator=g) * 2).to(torch.bfloat16)
         rq, rs = act_quant.reference(h, gf)
-        emit("gelu_rowwise_fp8", gelu_from=gf, scale_equal=bool(torch.equal(sc, rs)),
-             q_mismatch_frac=float((q.float() != rq.float()).float().mean()),
-             q_max_abs_diff=float((q.float() - rq.float()).abs().max()),
-             ms=round(bench_ms(lambda: act_quant.gelu_rowwise_fp8(h, gf)), 4),
-             reference_eager_ms=round(bench_ms(lambda: act_quant.reference(h, gf)), 4))
+        gb = (h.numel() * 3 + m * 4) / 1e9
+        rows = []
+        for per in (2048, 1024, 512):
+            act_quant.WARPS_PER_ELEMENTS = per
+            q, sc = act_quant.gelu_rowwise_fp8(h, gf)
+            ms = bench_ms(lambda: act_quant.gelu_rowwise_fp8(h, gf), iters=50)
+            rows.append((ms, per))
+            emit("act_quant_kernel", m=m, n=n, gelu_from=gf, warps=act_quant.num_warps(16384), ms=round(ms, 4),
+                 gb_per_s=round(gb / ms * 1e3), copy_gb_per_s=round(ceiling),
+                 scale_mismatch_frac=float((sc != rs).float().mean()),
+                 q_mismatch_frac=float((q.float() != rq.float()).float().mean()),
+                 q_max_rel_diff=float(((q.float() - rq.float()).abs() / rq.float().abs().clamp(min=2 ** -6)).max()))
+        best[(m, n)] = min(rows)[1]
+    act_quant.WARPS_PER_ELEMENTS = best[(4096, 12288)]
+    emit("act_quant_kernel_choice", warps_per_elements=act_quant.WARPS_PER_ELEMENTS)
+
+
+def _keep_tar(folder: Path) -> None:
+    """The kept generated modules as one file (a device call brings back few files)."""
+    import tarfile
+
+    if folder.is_dir():
+        with tarfile.open(f"{folder}.tar.gz", "w:gz") as tar:
+            tar.add(folder, arcname=folder.name)
+        import shutil
+
+        shutil.rmtree(folder)
+
+
+def fused(dbl, sgl, inputs, base, ref):
+    """Row-wise FP8 quantization in one pass: the MLP's GELU + quantization as one hand-written kernel, and
+    inductor's multi-kernel reductions (persistent or looped, chosen per kernel at run time), against the default
+    (FP8 per-row plain, cuDNN-first attention, torch RoPE, no CUDA graphs), each with every kernel's time."""
+    from fluxaccel.core.compile.attention import OVERRIDE_KEY, sdpa_cudnn_first
+
+    act_quant_kernel()
+    opts = {OVERRIDE_KEY: sdpa_cudnn_first}
+    mk1 = {**base, "triton.multi_kernel": 1}
+    d, s_ = fp8_copy(dbl, "per_row", "plain"), fp8_copy(sgl, "per_row", "plain")
+    wd, ws = _Opts(d, opts, True), _Opts(s_, opts, True)
+    fd_, fs_ = fused_copy(dbl, sgl, single=True)
+    fwd, fws = _Opts(fd_, opts, True), _Opts(fs_, opts, True)
+    for name, a, b, o in (("default: fp8 row plain compile", wd, ws, base),
+                          ("multi_kernel 1", wd, ws, mk1),
+                          ("fused GELU+quant kernel (double and single MLPs)", fwd, fws, base),
+                          ("fused GELU+quant kernel (double and single MLPs) + multi_kernel 1", fwd, fws, mk1),
+                          ("fused GELU+quant kernel (double MLPs only) + multi_kernel 1", fwd, ws, mk1)):
+        r = run_variant(name, a, b, inputs, compile_opts=o, graphs=False, ref=ref)
+        if r:
+            kernel_table(name, r[2], r[3], inputs)
+    _keep_generated_code(OUT_DIR / "kernels")
+    _keep_tar(OUT_DIR / "kernels")
 
 
 def flux2(base):

@@ -7,8 +7,11 @@ one program per row holds the whole row in registers, evaluates GELU once, reduc
 
 Numerics are torchao's dynamic row-wise activation quantization of the bf16 GELU output (fp8.fp8_linear): GELU
 rounded to the input's dtype as eager rounds it, scale = the row's absmax / 448 in that dtype (with torchao's
-lower/upper bounds on the absmax where set), values divided by the scale, clamped to +-448 and rounded to e4m3. On the GPU a Triton
-kernel (`torch.library.triton_op`, so inductor compiles it into the graph); elsewhere the same in torch.
+lower/upper bounds on the absmax where set), values divided by the scale, clamped to +-448 and rounded to e4m3. The
+GPU kernel (Triton, as a `torch.library.triton_op`, so inductor compiles it into the graph) computes GELU through
+exp2 and an approximate division and multiplies by the scale's reciprocal, as inductor's own kernels do: a GELU value
+or an FP8 value differs from torch's in its last bit now and then (bench/probes/flux_blocks.py --fused counts them).
+Off the GPU the op runs the same in torch.
 """
 from __future__ import annotations
 
@@ -37,6 +40,14 @@ def _kernel():
     return gelu_rowwise_fp8_kernel
 
 
+WARPS_PER_ELEMENTS = 1024  # one warp per this many elements of a row (4 to 32 warps): see num_warps
+
+
+def num_warps(block: int) -> int:
+    """Warps per row program: enough threads that a row's elements fit in registers (H200: bench/NOTES.md)."""
+    return min(32, max(4, block // WARPS_PER_ELEMENTS))
+
+
 def _gpu(x, gelu_from, lb, ub):
     import triton
     from torch.library import wrap_triton
@@ -47,7 +58,7 @@ def _gpu(x, gelu_from, lb, ub):
     block = triton.next_power_of_2(n)
     wrap_triton(_kernel())[(m,)](x, q, s, n, x.stride(0), q.stride(0), 0.0 if lb is None else lb,
                                  0.0 if ub is None else ub, GELU_FROM=gelu_from, HAS_LB=lb is not None,
-                                 HAS_UB=ub is not None, BLOCK=block, num_warps=min(16, max(4, block // 1024)))
+                                 HAS_UB=ub is not None, BLOCK=block, num_warps=num_warps(block))
     return q, s
 
 
