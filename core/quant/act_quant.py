@@ -68,17 +68,18 @@ def _op_body(x: torch.Tensor, gelu_from: int, lb: float | None, ub: float | None
     return reference(x, gelu_from, lb, ub)
 
 
-_OP = None
-
-
-def op():
-    """The registered operator (registered once, at first use)."""
-    global _OP
-    if _OP is None:
+def _register():
+    """The operator, registered when this module is imported (a warm-start package made by another process calls it
+    by name); None, with the reason in UNAVAILABLE, where this torch cannot register it."""
+    try:
         from torch.library import triton_op
 
-        _OP = triton_op(OP_NAME, mutates_args=())(_op_body)
-    return _OP
+        return triton_op(OP_NAME, mutates_args=())(_op_body), ""
+    except Exception as e:  # noqa: BLE001  (an older or newer torch: fusion is then off, and the report says why)
+        return None, f"torch {torch.__version__} could not register the {OP_NAME} operator ({type(e).__name__}: {e})"
+
+
+_OP, UNAVAILABLE = _register()
 
 
 def gelu_rowwise_fp8(x: torch.Tensor, gelu_from: int = 0, lb: float | None = None, ub: float | None = None):
@@ -87,4 +88,6 @@ def gelu_rowwise_fp8(x: torch.Tensor, gelu_from: int = 0, lb: float | None = Non
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    return op()(x2, int(gelu_from), lb, ub)
+    if _OP is None:
+        raise RuntimeError(UNAVAILABLE)
+    return _OP(x2, int(gelu_from), lb, ub)

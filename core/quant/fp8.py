@@ -20,6 +20,7 @@ from ..env import require_torchao
 from ..errors import FluxAccelError
 from ..models.profiles import FLUX1, Profile
 from ..upstream.torchao_internals import float8_primitives
+from .act_quant import UNAVAILABLE as GELU_OP_UNAVAILABLE, gelu_rowwise_fp8
 
 Granularity = Literal["per_tensor", "per_row"]
 Scope = Literal["blocks", "blocks+modulation", "all_linear"]
@@ -77,7 +78,7 @@ class Fp8Config:
             return "per_tensor activation scales need the whole tensor's absmax before any row is quantized"
         if self.layout != "plain":
             return "the subclass layout quantizes inside torchao's Float8Tensor"
-        return ""
+        return GELU_OP_UNAVAILABLE
 
     def torchao_config(self):
         """The torchao config; set_inductor_config=False keeps process-wide inductor settings untouched, and the
@@ -196,8 +197,6 @@ def fp8_linear_gelu(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor
                     act_kwargs, mm_config, gelu_from: int) -> torch.Tensor:
     """fp8_linear of x with GELU(tanh) applied to its columns from `gelu_from` on, the GELU and the row-wise
     activation quantization done in one pass (act_quant.py); per-row activation scales only."""
-    from .act_quant import gelu_rowwise_fp8
-
     ao = _AO or float8_ops()
     x_data, x_scale = gelu_rowwise_fp8(x, gelu_from, act_kwargs.hp_value_lb, act_kwargs.hp_value_ub)
     return _scaled_gemm(ao, x_data, x_scale, w_data, w_scale, bias, mm_config, x)

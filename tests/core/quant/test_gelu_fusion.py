@@ -92,3 +92,14 @@ def test_static_scales_observe_what_a_fused_linear_quantizes(cpu_fp8, tiny_flux)
     finally:
         inner.gelu_from = 0
     assert torch.equal(w(x), expected)
+
+
+def test_without_the_operator_fusion_is_off_and_said(cpu_fp8, tiny_flux, monkeypatch):
+    """A torch that could not register the fused operator: Quantize FP8 keeps the GELUs and says why."""
+    from fluxaccel.core.quant import fp8
+
+    monkeypatch.setattr(fp8, "GELU_OP_UNAVAILABLE", "torch 9.9 could not register the fluxaccel::gelu_rowwise_fp8 "
+                                                    "operator (RuntimeError: test)")
+    clone, report = apply_fp8(tiny_flux, Fp8Config("per_row"))
+    assert "MLP GELU kept separate: torch 9.9 could not register" in report.summary()
+    assert fp8_state(clone).gelu_keys == () and len(_gelus(clone)) == 6
