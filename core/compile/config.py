@@ -83,13 +83,7 @@ class CompileConfig:
             if not opts:
                 raise FluxAccelError(f"mode {self.mode!r} cannot be expanded to inductor options here ({opts}); "
                                      f"set mode to 'default' on the Compile node.")
-        cuda = torch.device(device).type == "cuda"
-        opts["triton.cudagraphs"] = bool(self.cuda_graphs and cuda)
-        if cuda:
-            # Each reduction kernel compiled both persistent (a row in registers, read once) and looped, the faster
-            # picked at its first launch: inductor's own choice makes FLUX's norm + modulation + FP8 rows (3,072)
-            # and per-head QK norms (128) looped reductions, which read twice (H200: -3.7 ms per step, NOTES.md)
-            opts["triton.multi_kernel"] = 1
+        opts["triton.cudagraphs"] = bool(self.cuda_graphs and torch.device(device).type == "cuda")
         # Round bf16 intermediates as eager does. Without it inductor keeps e.g. guidance * 1000 in float32 (3500)
         # where eager rounds it to bf16 (3504): FLUX's sinusoidal embeddings turn that into a different output
         # (35 % relative error on the tiny test model, 0.7 % with this option).
