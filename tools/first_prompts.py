@@ -19,6 +19,7 @@ import json
 import logging
 import shlex
 import shutil
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -138,6 +139,9 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=["fluxaccel", "eager"])
     ap.add_argument("--out", help="folder for the JSON (default: bench/results on a GPU, .cache/bench-results on the CPU)")
     ap.add_argument("--models-dir", default=str(ROOT / ".cache" / "models"))
+    ap.add_argument("--steady", type=int, default=0, metavar="N",
+                    help="then N more prompts of each configuration (other seeds): their times and median, the steady "
+                         "state measured more than once")
     ap.add_argument("--server-arg", action="append", default=[], help="extra ComfyUI launch flag (repeatable)")
     ap.add_argument("--restart", action="store_true", help="then stop ComfyUI, start it again on the same machine "
                     "(its caches on disk) and run the configurations again: a second JSON with start 'restart'")
@@ -210,6 +214,11 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
                         latents[config] = server.saved_latent(hist, "8")
                     if seed == 1:  # a separate-process compile started by this prompt: wait until it has ended
                         separate = next(iter(server.separate_compiles(since=log_at)), {})
+                steady = []
+                for seed in range(11, 11 + a.steady):
+                    log.info("%s: steady prompt (seed %d)", config, seed)
+                    steady.append(execution_seconds(server.run(prompt_for(config, case, unet_name, seed, flux2,
+                                                                          a.in_memory), timeout=1800)))
                 memory.update(host_memory(server, unet_file))
                 if a.in_memory and memory.get("server_peak_rss_gib"):  # no file: the weights' bf16 size instead
                     from fluxaccel.core.models.synthetic import param_count
@@ -220,6 +229,8 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
                              # with a separate-process compile: the first prompt ran uncompiled; the second (queued
                              # once the compile was ready) loads its package, the third is the steady state
                              **({"third_prompt_s": round(times[2], 3), **separate} if separate else {}),
+                             **({"steady_prompts_s": [round(t, 3) for t in steady],
+                                 "steady_median_s": round(statistics.median(steady), 3)} if steady else {}),
                              # the kernel's high-water mark so far: what this configuration's prompts added to the peak
                              "server_peak_rss_gib_so_far": memory.get("server_peak_rss_gib"),
                              "server_anon_now_gib": memory.get("server_anon_now_gib"),

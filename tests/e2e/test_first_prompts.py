@@ -15,7 +15,7 @@ pytestmark = pytest.mark.e2e
 def test_first_prompts_of_a_fresh_and_a_restarted_comfyui(tmp_path, e2e_model_file):
     env = {**__import__("os").environ, "FLUXACCEL_CACHE_DIR": str(tmp_path / "cache")}
     p = subprocess.run([sys.executable, str(ROOT / "tools" / "first_prompts.py"), "--case", "tiny-cpu", "--configs",
-                        "fluxaccel", "eager", "--restart", "--out", str(tmp_path / "out")],
+                        "fluxaccel", "eager", "--restart", "--steady", "2", "--out", str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     runs = {s: json.loads((tmp_path / "out" / f"cpu-tiny-cpu-first-prompts-fluxaccel-eager-{s}.json").read_text())
@@ -24,6 +24,9 @@ def test_first_prompts_of_a_fresh_and_a_restarted_comfyui(tmp_path, e2e_model_fi
         assert res["start"] == start and res["complete"] and res["command"].startswith("python tools/first_prompts.py")
         assert [r["config"] for r in res["results"]] == ["fluxaccel", "eager"]
         assert all(r["first_prompt_s"] > 0 and r["second_prompt_s"] > 0 for r in res["results"])
+        for r in res["results"]:  # --steady 2: two more prompts each, and their median
+            assert len(r["steady_prompts_s"]) == 2 and r["steady_median_s"] == pytest.approx(
+                sum(r["steady_prompts_s"]) / 2, abs=0.002)
         assert res["host_memory"]["server_peak_rss_gib"] > 0
     logs = {s: (tmp_path / "out" / f"cpu-tiny-cpu-first-prompts-fluxaccel-eager-{s}.comfyui.log").read_bytes()
             .decode(errors="replace") for s in runs}  # bytes: tqdm's carriage returns stay inside their lines
