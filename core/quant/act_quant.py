@@ -71,6 +71,9 @@ def _op_body(x: torch.Tensor, gelu_from: int, lb: float | None, ub: float | None
 def _register():
     """The operator, registered when this module is imported (a warm-start package made by another process calls it
     by name); None, with the reason in UNAVAILABLE, where this torch cannot register it."""
+    registered = getattr(getattr(torch.ops, "fluxaccel", None), "gelu_rowwise_fp8", None)
+    if registered is not None:  # this module imported again under another package name: the same operator
+        return registered, ""
     try:
         from torch.library import triton_op
 

@@ -102,3 +102,16 @@ def test_the_triton_kernel_in_tritons_interpreter_matches_the_reference(tmp_path
         # truncations of one bf16 step (2^-7 relative at most) each: the GELU value and the absmax, the scale; the
         # value divided by the scale adds its own (a wrong column, GELU or scale would be off by far more)
         assert scale_err < 2 * 2 ** -7 and value_err < 3 * 2 ** -7, (gelu_from, result)
+
+
+def test_imported_again_the_module_reuses_the_registered_operator():
+    """A second import of the module (another package name in one process) finds the operator already registered
+    and uses it, rather than failing to register it again and turning fusion off."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("act_quant_again", act_quant.__file__)
+    again = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(again)
+    assert again.UNAVAILABLE == "" and again._OP is not None
+    x = _rows(4)
+    assert torch.equal(again.gelu_rowwise_fp8(x, 0)[1], act_quant.gelu_rowwise_fp8(x, 0)[1])
