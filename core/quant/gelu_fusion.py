@@ -6,9 +6,9 @@ after the attention output before `linear2`. Fusing a site puts an Identity in t
 of the clone, like the FP8 Linears themselves) and gives the FP8 Linear the first input column GELU applies to
 (`gelu_from`): its forward then runs GELU and the row-wise quantization as one kernel (act_quant.py).
 
-The single block is fused only where ComfyUI's SingleStreamBlock.forward is the one read here (GELU applied to the
-MLP stream, then `linear2(torch.cat((attn, mlp), 2))`): a forward written otherwise keeps its GELU, and the report
-says so.
+Each site is fused only where its block's forward is the one read here: a double block calls its MLP as one module
+(`self.img_mlp(...)`), a single block applies GELU to the MLP stream and then runs `linear2(torch.cat((attn, mlp),
+2))`. A forward written otherwise keeps its GELU, and the report says so.
 """
 from __future__ import annotations
 
@@ -31,13 +31,24 @@ def _is_tanh_gelu(m) -> bool:
     return isinstance(m, torch.nn.GELU) and m.approximate == "tanh"
 
 
+def _forward_source(module: torch.nn.Module) -> str:
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return ""
+
+
 def single_forward_known(block: torch.nn.Module) -> bool:
     """Whether this single block's forward concatenates attention and GELU's output right before linear2, as read."""
-    try:
-        src = inspect.getsource(type(block).forward)
-    except (OSError, TypeError):
-        return False
+    src = _forward_source(block)
     return all(line in src for line in GELU_SINGLE_FORWARD)
+
+
+def mlp_called_whole(parent: torch.nn.Module, attr: str) -> bool:
+    """Whether the forward of the block holding an MLP calls it as one module (`self.img_mlp(...)`), so that its GELU
+    runs between its two Linears and nowhere else."""
+    src = _forward_source(parent)
+    return f"self.{attr}(" in src and f"self.{attr}[" not in src
 
 
 def find_sites(dm: torch.nn.Module, original=lambda name, m: m) -> tuple[list[GeluSite], dict[str, str]]:
@@ -48,7 +59,11 @@ def find_sites(dm: torch.nn.Module, original=lambda name, m: m) -> tuple[list[Ge
     sites, kept = [], {}
     for name, m in dm.named_modules():
         if isinstance(m, torch.nn.Sequential) and len(m) == 3 and _is_tanh_gelu(original(f"{name}.1", m[1])):
-            sites.append(GeluSite(f"{name}.1", f"{name}.2", 0))
+            parent, _, attr = name.rpartition(".")
+            if mlp_called_whole(dm.get_submodule(parent) if parent else dm, attr):
+                sites.append(GeluSite(f"{name}.1", f"{name}.2", 0))
+            else:
+                kept[f"{name}.1"] = "its block's forward does not call the MLP as one module"
         elif _is_tanh_gelu(original(f"{name}.mlp_act", getattr(m, "mlp_act", None))) and \
                 hasattr(m, "linear2"):
             width = getattr(m, "mlp_hidden_dim", None)

@@ -103,3 +103,23 @@ def test_without_the_operator_fusion_is_off_and_said(cpu_fp8, tiny_flux, monkeyp
     clone, report = apply_fp8(tiny_flux, Fp8Config("per_row"))
     assert "MLP GELU kept separate: torch 9.9 could not register" in report.summary()
     assert fp8_state(clone).gelu_keys == () and len(_gelus(clone)) == 6
+
+
+def test_a_double_block_that_does_not_call_its_mlp_whole_keeps_its_gelus(tiny_flux):
+    """A forward that indexes its MLP (and could apply GELU itself) is not one whose GELU module can move."""
+    dm = tiny_flux.model.diffusion_model
+    block_cls = type(dm.double_blocks[1])
+
+    class Indexing(block_cls):
+        def forward(self, img, *args, **kwargs):  # reads self.img_mlp[0] etc.
+            return super().forward(img, *args, **kwargs)
+
+    dm.double_blocks[1].__class__ = Indexing
+    try:
+        assert not gelu_fusion.mlp_called_whole(dm.double_blocks[1], "img_mlp")
+        sites, kept = gelu_fusion.find_sites(dm)
+    finally:
+        dm.double_blocks[1].__class__ = block_cls
+    assert {s.gelu for s in sites}.isdisjoint({"double_blocks.1.img_mlp.1", "double_blocks.1.txt_mlp.1"})
+    assert kept == {f"double_blocks.1.{s}_mlp.1": "its block's forward does not call the MLP as one module"
+                    for s in ("img", "txt")}
