@@ -71,6 +71,10 @@ def _op_body(x: torch.Tensor, gelu_from: int, lb: float | None, ub: float | None
 def _register():
     """The operator, registered when this module is imported (a warm-start package made by another process calls it
     by name); None, with the reason in UNAVAILABLE, where this torch cannot register it."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return None, "Triton is not installed (the fused kernel is a Triton kernel)"
     registered = getattr(getattr(torch.ops, "fluxaccel", None), "gelu_rowwise_fp8", None)
     if registered is not None:  # this module imported again under another package name: the same operator
         return registered, ""

@@ -115,3 +115,12 @@ def test_imported_again_the_module_reuses_the_registered_operator():
     assert again.UNAVAILABLE == "" and again._OP is not None
     x = _rows(4)
     assert torch.equal(again.gelu_rowwise_fp8(x, 0)[1], act_quant.gelu_rowwise_fp8(x, 0)[1])
+
+
+def test_without_triton_the_operator_is_unavailable_with_the_reason(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    op, why = act_quant._register()
+    assert op is None and why == "Triton is not installed (the fused kernel is a Triton kernel)"
