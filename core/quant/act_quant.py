@@ -82,7 +82,7 @@ def _register():
         from torch.library import triton_op
 
         return triton_op(OP_NAME, mutates_args=())(_op_body), ""
-    except Exception as e:  # noqa: BLE001  (an older or newer torch: fusion is then off, and the report says why)
+    except Exception as e:  # noqa: BLE001 -- an older or newer torch: fusion is then off, and the report says why
         return None, f"torch {torch.__version__} could not register the {OP_NAME} operator ({type(e).__name__}: {e})"
 
 
