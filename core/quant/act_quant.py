@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest value
+MAX_ROW = 32768  # the widest row one program holds in registers (FLUX.1's MLPs: 12,288 and 15,360)
 OP_NAME = "fluxaccel::gelu_rowwise_fp8"
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .act_quant import MAX_ROW
+
 GELU_SINGLE_FORWARD = ("mlp = self.mlp_act(mlp)", "self.linear2(torch.cat((attn, mlp), 2))")
 
 
@@ -71,4 +73,9 @@ def find_sites(dm: torch.nn.Module, original=lambda name, m: m) -> tuple[list[Ge
                 kept[f"{name}.mlp_act"] = "its block's forward is not the single block FluxAccel reads"
             else:
                 sites.append(GeluSite(f"{name}.mlp_act", f"{name}.linear2", m.linear2.in_features - width))
+    for site in list(sites):
+        if dm.get_submodule(site.linear).in_features > MAX_ROW:
+            sites.remove(site)
+            kept[site.gelu] = (f"its Linear's rows are wider than {MAX_ROW} (the one-pass kernel holds a row in "
+                               f"registers)")
     return sites, kept

@@ -123,3 +123,10 @@ def test_a_double_block_that_does_not_call_its_mlp_whole_keeps_its_gelus(tiny_fl
     assert {s.gelu for s in sites}.isdisjoint({"double_blocks.1.img_mlp.1", "double_blocks.1.txt_mlp.1"})
     assert kept == {f"double_blocks.1.{s}_mlp.1": "its block's forward does not call the MLP as one module"
                     for s in ("img", "txt")}
+
+
+def test_rows_wider_than_the_kernel_holds_keep_their_gelu(tiny_flux, monkeypatch):
+    monkeypatch.setattr(gelu_fusion, "MAX_ROW", tiny_flux.model.diffusion_model.hidden_size * 4 - 1)
+    sites, kept = gelu_fusion.find_sites(tiny_flux.model.diffusion_model)
+    # the double blocks' fc2 rows (4x hidden) are now too wide, the single blocks' (5x hidden) too
+    assert sites == [] and len(kept) == 6 and all("wider than" in why for why in kept.values())
