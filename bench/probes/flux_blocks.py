@@ -659,6 +659,17 @@ def act_quant_kernel():
                  q_mismatch_frac=float((q.float() != rq.float()).float().mean()),
                  q_max_rel_diff=float(((q.float() - rq.float()).abs() / rq.float().abs().clamp(min=2 ** -6)).max()))
         best[(m, n)] = min(rows)[1]
+        try:  # the probe-only variant that recomputes GELU instead of holding it (act_quant_variants.py)
+            from bench.probes import act_quant_variants as variants
+
+            for warps in (8, 16):
+                q, sc = variants.recompute(h, gf, warps)
+                ms = _device_ms(lambda: variants.recompute(h, gf, warps), "gelu_rowwise_fp8_recompute_kernel")
+                emit("act_quant_kernel_recompute", m=m, n=n, gelu_from=gf, warps=warps, ms=round(ms, 4),
+                     gb_per_s=round(gb / ms * 1e3), scale_equal=bool(torch.equal(sc, rs)),
+                     q_mismatch_frac=float((q.float() != rq.float()).float().mean()))
+        except Exception as e:  # noqa: BLE001 -- a probe variant: its failure is recorded, the probe goes on
+            emit("act_quant_kernel_recompute", m=m, n=n, error=f"{type(e).__name__}: {e}"[:300])
     act_quant.WARPS_PER_ELEMENTS = best[(4096, 12288)]
     emit("act_quant_kernel_choice", warps_per_elements=act_quant.WARPS_PER_ELEMENTS)
 
