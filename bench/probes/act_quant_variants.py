@@ -6,8 +6,7 @@ again after the row's maximum: more arithmetic, more programs resident per SM. S
 import triton
 import triton.language as tl
 
-_C1 = tl.constexpr(-2.0 * 1.4426950408889634 * 0.7978845608028654)
-_C3 = tl.constexpr(-2.0 * 1.4426950408889634 * 0.7978845608028654 * 0.044715)
+from fluxaccel.core.quant.act_quant_kernel import _C1, _C3  # GELU's constants, the product kernel's
 
 
 @triton.jit

@@ -22,10 +22,15 @@ MAX_ROW = 32768  # the widest row one program holds in registers (FLUX.1's MLPs:
 OP_NAME = "fluxaccel::gelu_rowwise_fp8"
 
 
+def gelu_columns(x: torch.Tensor, gelu_from: int) -> torch.Tensor:
+    """x with GELU(tanh) applied to its last dimension's columns from `gelu_from` on (in x's dtype, as eager)."""
+    gelu = torch.nn.functional.gelu(x[..., gelu_from:], approximate="tanh")
+    return torch.cat([x[..., :gelu_from], gelu], -1) if gelu_from else gelu
+
+
 def reference(x: torch.Tensor, gelu_from: int, lb: float | None = None, ub: float | None = None):
     """(q, scale) of x (M, N): GELU(tanh) on the columns from `gelu_from` on, then torchao's row-wise FP8."""
-    h = torch.cat([x[:, :gelu_from], torch.nn.functional.gelu(x[:, gelu_from:], approximate="tanh")], 1) \
-        if gelu_from else torch.nn.functional.gelu(x, approximate="tanh")
+    h = gelu_columns(x, gelu_from)
     amax = h.abs().amax(-1, keepdim=True)
     if lb is not None or ub is not None:
         amax = amax.clamp(min=lb, max=ub)

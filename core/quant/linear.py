@@ -12,6 +12,7 @@ from ..env import require_torchao
 from ..errors import FluxAccelError
 from ..upstream import Unavailable, say, torch_internals
 from ..upstream.torchao_internals import map_float8_data
+from .act_quant import gelu_columns
 from .fp8 import Fp8Config, float8_ops, fp8_linear, fp8_linear_gelu, is_fp8_weight
 
 
@@ -90,10 +91,7 @@ class _Fp8Plain(_Fp8DeviceMove):
 
     def activation_input(self, x):
         """What this Linear quantizes of its input x: x itself, or x with the fused GELU applied (gelu_from)."""
-        if self.gelu_from is None:
-            return x
-        gelu = torch.nn.functional.gelu(x[..., self.gelu_from:], approximate="tanh")
-        return torch.cat([x[..., :self.gelu_from], gelu], -1) if self.gelu_from else gelu
+        return x if self.gelu_from is None else gelu_columns(x, self.gelu_from)
 
 
 _FP8_CLASSES: dict[tuple[type, str], type] = {}

@@ -366,8 +366,9 @@ def _fuse_gelu(model, clone, dm, cfg: Fp8Config, report: Fp8Report) -> list[str]
     if not cfg.fuse_gelu:
         report.gelu = "MLP GELU kept separate (fuse_gelu off)"
         return []
-    if cfg.gelu_fusion_unavailable():
-        report.gelu = f"MLP GELU kept separate: {cfg.gelu_fusion_unavailable()}"
+    why = cfg.gelu_fusion_unavailable()
+    if why:
+        report.gelu = f"MLP GELU kept separate: {why}"
         return []
     sites, kept = gelu_fusion.find_sites(dm, lambda name, m: model.object_patches_backup.get(f"diffusion_model.{name}",
                                                                                              m))
