@@ -196,7 +196,8 @@ def cudnn_ctx():
                         SDPBackend.MATH], set_priority=True)
 
 
-def run_variant(name, dbl, sgl, inputs, *, compile_opts=None, graphs=True, attn=None, ref=None):
+def run_variant(name, dbl, sgl, inputs, *, compile_opts=None, graphs=True, attn=None, ref=None,
+                within=contextlib.nullcontext):
     if time.time() - T0 > BUDGET_S:
         emit("variant", name=name, skipped="probe budget spent")
         return None
@@ -228,7 +229,7 @@ def run_variant(name, dbl, sgl, inputs, *, compile_opts=None, graphs=True, attn=
                 torch.compiler.cudagraph_mark_step_begin()
             return fs(x, vs, pe)
 
-        with ctx(), torch.inference_mode():
+        with ctx(), within(), torch.inference_mode():
             od = [t.clone() for t in call_d()]
             os_ = call_s().clone()
             torch.cuda.synchronize()
@@ -687,8 +688,9 @@ def _keep_tar(folder: Path) -> None:
 
 
 def fused(dbl, sgl, inputs, base, ref):
-    """Row-wise FP8 quantization in one pass: the MLP's GELU + quantization as one hand-written kernel, and
-    inductor's multi-kernel reductions (persistent or looped, chosen per kernel at run time), against the default
+    """Row-wise FP8 quantization in one pass: the MLP's GELU + quantization as one hand-written kernel, inductor's
+    multi-kernel reductions (persistent or looped, chosen per kernel at run time) and wider persistent reductions
+    chosen at compile time (torch_internals.persistent_reductions), against the default
     (FP8 per-row plain, cuDNN-first attention, torch RoPE, no CUDA graphs), each with every kernel's time."""
     from fluxaccel.core.compile.attention import OVERRIDE_KEY, sdpa_cudnn_first
 
@@ -699,12 +701,20 @@ def fused(dbl, sgl, inputs, base, ref):
     wd, ws = _Opts(d, opts, True), _Opts(s_, opts, True)
     fd_, fs_ = fused_copy(dbl, sgl, single=True)
     fwd, fws = _Opts(fd_, opts, True), _Opts(fs_, opts, True)
-    for name, a, b, o in (("default: fp8 row plain compile", wd, ws, base),
-                          ("multi_kernel 1", wd, ws, mk1),
-                          ("fused GELU+quant kernel (double and single MLPs)", fwd, fws, base),
-                          ("fused GELU+quant kernel (double and single MLPs) + multi_kernel 1", fwd, fws, mk1),
-                          ("fused GELU+quant kernel (double MLPs only) + multi_kernel 1", fwd, ws, mk1)):
-        r = run_variant(name, a, b, inputs, compile_opts=o, graphs=False, ref=ref)
+    from fluxaccel.core.upstream import torch_internals
+
+    def rows(n):  # inductor's caches are keyed by the choice too (torch_internals.persistent_reductions)
+        return lambda: torch_internals.persistent_reductions(n, 1024)
+
+    plain = contextlib.nullcontext
+    for name, a, b, o, w in (("default: fp8 row plain compile", wd, ws, base, plain),
+                             ("multi_kernel 1", wd, ws, mk1, plain),
+                             ("persistent rows <= 4096, others <= 1024", wd, ws, base, rows(4096)),
+                             ("persistent rows <= 16384, others <= 1024", wd, ws, base, rows(16384)),
+                             ("fused GELU+quant kernel (double and single MLPs)", fwd, fws, base, plain),
+                             ("fused GELU+quant kernel + persistent rows <= 4096, others <= 1024", fwd, fws, base,
+                              rows(4096))):
+        r = run_variant(name, a, b, inputs, compile_opts=o, graphs=False, ref=ref, within=w)
         if r:
             kernel_table(name, r[2], r[3], inputs)
     _keep_generated_code(OUT_DIR / "kernels")

@@ -97,6 +97,79 @@ def inductor_config_differs(options: dict) -> dict | Unavailable:
     return differs
 
 
+_wider: dict[tuple, type] = {}  # (inductor's choices class, limits) -> its subclass with wider persistent reductions
+
+
+def _with_wider_persistence(base: type, hints, inner: int, other: int) -> type:
+    """A subclass of inductor's choices class `base` that makes a reduction persistent where `base` would loop over it:
+    a row reduction (ReductionHint.INNER) of up to `inner` elements, one of hint DEFAULT of up to `other`. Column
+    reductions (OUTER) and every other decision stay base's."""
+    key = (base, inner, other)
+    if key not in _wider:
+        limits = {hints.INNER: inner, hints.DEFAULT: other}
+
+        def should_use_persistent_reduction(self, features, cooperative_reduction):
+            if super(_wider[key], self).should_use_persistent_reduction(features, cooperative_reduction):
+                return True
+            if cooperative_reduction or _attr("torch._inductor.config.triton.persistent_reductions") is not True:
+                return False
+            try:
+                limit = limits.get(features.get_reduction_hint())
+                if limit is None or getattr(features, "strict_sum_rblock", lambda: None)() is not None:
+                    return False
+                from torch._inductor.virtualized import V
+
+                return bool(V.graph.sizevars.statically_known_leq(features.reduction_numel, limit))
+            except (AttributeError, TypeError):  # a later inductor's features: its own decision stands
+                return False
+
+        _wider[key] = type(f"WiderPersistence{inner}x{other}", (base,), {
+            "should_use_persistent_reduction": should_use_persistent_reduction,
+            "uuid": lambda self: f"fluxaccel-persistent-{inner}-{other}"})
+    return _wider[key]
+
+
+def persistent_reductions(inner: int, other: int):
+    """Context: graphs lowered in the body make a row reduction (over a contiguous last dimension) of up to `inner`
+    elements, and one inductor hints DEFAULT of up to `other`, a persistent kernel -- the row read once and held in
+    registers -- where inductor's own rule loops (above 1,024 and 64 elements); column reductions and everything else
+    as inductor decides. Inductor's choices handler is thread-local and a compile lowers in the calling thread:
+    nothing outside the body sees it."""
+    v = _attr("torch._inductor.virtualized.V")
+    hints = _attr("torch._inductor.runtime.hints.ReductionHint")
+    consequence = "reductions compile as inductor decides (looped above 1,024 elements)"
+    for got in (v, hints):
+        if isinstance(got, Unavailable):
+            say(got, consequence)
+            return contextlib.nullcontext()
+    setter = getattr(v, "set_choices_handler", None)
+    current = getattr(v, "choices", None)
+    if setter is None or not hasattr(type(current), "should_use_persistent_reduction") or \
+            not all(hasattr(hints, h) for h in ("INNER", "DEFAULT")):
+        say(_missing("torch._inductor.virtualized.V.set_choices_handler / InductorChoices.should_use_persistent_"
+                     "reduction / ReductionHint.INNER"), consequence)
+        return contextlib.nullcontext()
+    cls = _with_wider_persistence(type(current), hints, inner, other)
+    handler = cls.__new__(cls)  # the thread's handler as it is (its state kept), with the one decision changed
+    handler.__dict__.update(getattr(current, "__dict__", {}))
+    stack = contextlib.ExitStack()
+    stack.enter_context(setter(handler))
+    stack.enter_context(_cache_tag(handler.uuid()))
+    return stack
+
+
+def _cache_tag(tag: str):
+    """torch's compile caches keyed by `tag` too, for the body: kernels lowered with a changed inductor choice are not
+    taken from (or stored as) the entries of the same graph lowered without it."""
+    cfg = _attr("torch.compiler.config")
+    if isinstance(cfg, Unavailable) or not hasattr(cfg, "cache_key_tag"):
+        say(_missing("torch.compiler.config.cache_key_tag"), "inductor's cache may hand out kernels of the same graph "
+            "compiled without FluxAccel's wider persistent row reductions (same results, looped row reductions)")
+        return contextlib.nullcontext()
+    now = cfg.cache_key_tag
+    return cfg.patch(cache_key_tag=f"{now}|{tag}" if now else tag)
+
+
 def cudagraph_rerecord_limit() -> int | Unavailable:
     v = _attr("torch._inductor.config.triton.cudagraph_unexpected_rerecord_limit")
     return v if isinstance(v, Unavailable) else int(v)
