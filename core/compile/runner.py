@@ -10,6 +10,7 @@ from ..errors import FluxAccelError
 from ..upstream import Unavailable, comfy_internals, say, torch_internals
 from .attention import sdpa_cudnn_first
 from .options import call_options
+from .reductions import persistent
 from .rope import torch_rope
 
 # dynamo's recompile budget is counted per code object: every compiled FLUX compiles the same Flux.forward, so all
@@ -64,8 +65,10 @@ class Runner:
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous call's outputs may be overwritten from here on
         call_kwargs = self.call_kwargs(context, transformer_options, kwargs)
-        # plain-torch RoPE (rope.py); outside the Comfy model compiler's memory plan, should one be recording
-        with one_graph(), recompile_budget(), torch_rope(), comfy_internals.outside_model_compiler() as self.paused:
+        # plain-torch RoPE (rope.py); persistent row reductions (reductions.py); outside the Comfy model compiler's
+        # memory plan, should one be recording
+        with one_graph(), recompile_budget(), torch_rope(), persistent(), \
+                comfy_internals.outside_model_compiler() as self.paused:
             package = self.packages.get(key, self.dm, (x, timestep), call_kwargs, loading) if self.packages else None
             if package is None:
                 out = self.compiled(x, timestep, **call_kwargs)

@@ -38,6 +38,7 @@ from . import skeleton
 from .block_regions import BlockRegions
 from .config import CompileConfig
 from .kernel_cache import KernelCache
+from .reductions import persistent
 from .rope import torch_rope
 from .runner import recompile_budget
 from .warm_start import NotPackageable, WarmStart, aot_compile, call_description, portable, signature
@@ -275,7 +276,7 @@ def _compile(job: dict, dm: torch.nn.Module, device: torch.device, t0: float) ->
     log.info("FluxAccel compile process: rebuilt the model and its call in %.1f s", time.perf_counter() - t0)
     cache = KernelCache(h["key"], Path(h["cache_dir"]))
     cache.load()
-    with cache.recording(), recompile_budget(), torch_rope():
+    with cache.recording(), recompile_budget(), torch_rope(), persistent():
         fn = aot_compile(dm, cfg.inductor_options(device), args, kwargs)
     saved = WarmStart(h["key"], Path(h["cache_dir"])).save(h["signature"], fn)
     cache.save()

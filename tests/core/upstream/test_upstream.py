@@ -215,6 +215,31 @@ def test_inductor_config_missing_keeps_package_loads_in_the_first_call(monkeypat
     assert "load at the first model call" in packages.prefetch(4, torch.device("cpu")) and not packages.pending
 
 
+@pytest.mark.parametrize("name", ["torch._inductor.virtualized.V", "torch._inductor.runtime.hints.ReductionHint"])
+def test_choices_handler_missing_leaves_inductors_reductions(monkeypatch, caplog, name):
+    from torch._inductor.virtualized import V
+
+    from fluxaccel.core.compile import reductions
+
+    hide(monkeypatch, name)
+    before = type(V.choices)
+    with reductions.persistent():
+        assert type(V.choices) is before and torch.compiler.config.cache_key_tag == ""
+    assert said(caplog, name, "reductions compile as inductor decides")
+
+
+def test_cache_tag_missing_says_caches_may_mix(monkeypatch, caplog):
+    from torch._inductor.virtualized import V
+
+    from fluxaccel.core.compile import reductions
+
+    hide(monkeypatch, "torch.compiler.config")
+    before = type(V.choices)
+    with reductions.persistent():
+        assert type(V.choices) is not before  # the choice still applies
+    assert said(caplog, "cache_key_tag", "may hand out kernels of the same graph")
+
+
 def test_aot_compile_missing(monkeypatch, tiny_flux):
     monkeypatch.delattr(torch.compiler, "load_compiled_function")
     from fluxaccel.core.compile import warm_start
