@@ -129,6 +129,7 @@ def _with_wider_persistence(base: type, hints, inner: int, other: int) -> type:
     return _wider[key]
 
 
+@contextlib.contextmanager
 def persistent_reductions(inner: int, other: int):
     """Context: graphs lowered in the body make a row reduction (over a contiguous last dimension) of up to `inner`
     elements, and one inductor hints DEFAULT of up to `other`, a persistent kernel -- the row read once and held in
@@ -138,24 +139,22 @@ def persistent_reductions(inner: int, other: int):
     v = _attr("torch._inductor.virtualized.V")
     hints = _attr("torch._inductor.runtime.hints.ReductionHint")
     consequence = "reductions compile as inductor decides (looped above 1,024 elements)"
-    for got in (v, hints):
-        if isinstance(got, Unavailable):
-            say(got, consequence)
-            return contextlib.nullcontext()
+    missing = next((got for got in (v, hints) if isinstance(got, Unavailable)), None)
     setter = getattr(v, "set_choices_handler", None)
     current = getattr(v, "choices", None)
-    if setter is None or not hasattr(type(current), "should_use_persistent_reduction") or \
-            not all(hasattr(hints, h) for h in ("INNER", "DEFAULT")):
-        say(_missing("torch._inductor.virtualized.V.set_choices_handler / InductorChoices.should_use_persistent_"
-                     "reduction / ReductionHint.INNER"), consequence)
-        return contextlib.nullcontext()
+    if missing is None and (setter is None or not hasattr(type(current), "should_use_persistent_reduction")
+                            or not all(hasattr(hints, h) for h in ("INNER", "DEFAULT"))):
+        missing = _missing("torch._inductor.virtualized.V.set_choices_handler / InductorChoices.should_use_persistent_"
+                           "reduction / ReductionHint.INNER")
+    if missing is not None:
+        say(missing, consequence)
+        yield
+        return
     cls = _with_wider_persistence(type(current), hints, inner, other)
     handler = cls.__new__(cls)  # the thread's handler as it is (its state kept), with the one decision changed
     handler.__dict__.update(getattr(current, "__dict__", {}))
-    stack = contextlib.ExitStack()
-    stack.enter_context(setter(handler))
-    stack.enter_context(_cache_tag(handler.uuid()))
-    return stack
+    with setter(handler), _cache_tag(handler.uuid()):
+        yield
 
 
 def _cache_tag(tag: str):

@@ -175,3 +175,15 @@ def test_a_restart_that_meets_fewer_shapes_keeps_the_others(tiny_flux, tmp_path,
     assert len(both) > 1 and _artifact_keys(again.cache.path) >= both, "the restart's save dropped a shape"
     # everything this compile needed came from the file: it is not written again on the first call
     assert again.cache.path.stat().st_mtime_ns == written and not again.cache.save()
+
+
+def test_cache_key_names_the_persistent_reduction_limits(tiny_flux, monkeypatch):
+    """Kernels lowered under other persistent-reduction limits (reductions.py) are another file."""
+    from fluxaccel.core.compile import reductions
+    from fluxaccel.core.compile.config import CompileConfig
+    from fluxaccel.core.compile.patch import apply_compile
+
+    cfg = CompileConfig(cuda_graphs=False)
+    before = apply_compile(tiny_flux, cfg)[1].cache.key
+    monkeypatch.setattr(reductions, "KEY", "persistent=2048/1024")
+    assert apply_compile(tiny_flux, cfg)[1].cache.key != before

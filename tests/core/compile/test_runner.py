@@ -59,3 +59,32 @@ def test_graph_break_type_missing_lets_torchs_own_error_through(monkeypatch):
     with pytest.raises(Exception) as e:
         Runner(Breaks(), {}, graphs=False)(KEY, torch.ones(2), torch.zeros(1), None, {}, {})
     assert not isinstance(e.value, FluxAccelError)
+
+
+class Norm(torch.nn.Module):
+    def forward(self, x, timestep, context=None, transformer_options={}, **kwargs):
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],)) * timestep
+
+
+def test_the_call_lowers_under_fluxaccels_reduction_limits(tmp_path, monkeypatch):
+    """The compile a call triggers runs inside reductions.persistent(): inductor's cache holds its graph under that
+    choice, so the same graph compiled inside the context is a hit and outside it a miss."""
+    from torch._dynamo.utils import counters
+
+    from fluxaccel.core.compile import reductions
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x, t = torch.randn(8, 3072), torch.tensor(0.5)
+    opts = {"fx_graph_cache": True}
+
+    def compile_plain():
+        torch._dynamo.reset()
+        before = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+        torch.compile(Norm(), backend="inductor", dynamic=False, fullgraph=True, options=opts)(x, t)
+        return counters["inductor"]["fxgraph_cache_hit"] - before[0], counters["inductor"]["fxgraph_cache_miss"] - before[1]
+
+    torch._dynamo.reset()
+    Runner(Norm(), opts, graphs=False)(KEY, x, t, None, {}, {})
+    with reductions.persistent():
+        assert compile_plain() == (1, 0)
+    assert compile_plain() == (0, 1)
