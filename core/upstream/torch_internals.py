@@ -24,20 +24,21 @@ def _missing(name: str, detail: str = "") -> Unavailable:
 def _attr(path: str):
     """The object at a dotted path below torch (imported as needed), or an Unavailable naming it."""
     import importlib
+    from types import ModuleType
 
     parts = path.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
+    obj = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], 2):
+        if hasattr(obj, part):  # an attribute or an imported submodule: no import machinery (calls read this)
+            obj = getattr(obj, part)
             continue
         try:
-            for p in parts[i:]:
-                obj = getattr(obj, p)
-        except AttributeError:
+            if not isinstance(obj, ModuleType):
+                raise ImportError
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
             return _missing(path)
-        return obj
-    return _missing(path)
+    return obj
 
 
 # -- compile options and budgets ------------------------------------------------------------------------------------
