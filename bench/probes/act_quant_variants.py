@@ -39,3 +39,39 @@ def recompute(x, gelu_from, num_warps):
     gelu_rowwise_fp8_recompute_kernel[(m,)](x, q, s, n, x.stride(0), q.stride(0), GELU_FROM=gelu_from,
                                             BLOCK=triton.next_power_of_2(n), num_warps=num_warps)
     return q, s
+
+
+@triton.jit
+def gelu_pair_rowwise_fp8_kernel(a_ptr, m_ptr, q_ptr, s_ptr, n_a, n_m, a_stride, m_stride, q_stride,
+                                 BLOCK_A: tl.constexpr, BLOCK_M: tl.constexpr):
+    """pair: the single block's linear2 input without its concatenation written first -- row i of the attention
+    output `a` (kept as it is) and of the MLP stream `m` (GELU applied; a strided view of linear1's output), one
+    scale over both, written as one FP8 row [a | GELU(m)]. Same numbers as the product kernel on the concatenation."""
+    row = tl.program_id(0).to(tl.int64)
+    ca = tl.arange(0, BLOCK_A)
+    cm = tl.arange(0, BLOCK_M)
+    a = tl.load(a_ptr + row * a_stride + ca, mask=ca < n_a, other=0.0).to(tl.float32)
+    x = tl.load(m_ptr + row * m_stride + cm, mask=cm < n_m, other=0.0)
+    xf = x.to(tl.float32)
+    g = tl.fdiv(xf, 1.0 + tl.exp2(xf * (_C1 + _C3 * xf * xf))).to(x.dtype).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(a), 0), tl.max(tl.abs(g), 0))
+    scale = tl.math.div_rn(amax, 448.0).to(x.dtype).to(tl.float32)
+    r = 1.0 / scale
+    tl.store(q_ptr + row * q_stride + ca, tl.clamp(a * r, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=ca < n_a)
+    tl.store(q_ptr + row * q_stride + n_a + cm, tl.clamp(g * r, -448.0, 448.0).to(q_ptr.dtype.element_ty),
+             mask=cm < n_m)
+    tl.store(s_ptr + row, scale)
+
+
+def pair(a, m, num_warps=16, out_dtype=None):
+    """(q, scale) of [a | GELU(m)] row by row: a (rows, n_a) and m (rows, n_m), each with unit column stride."""
+    import torch
+
+    rows, n_a = a.shape
+    n_m = m.shape[1]
+    q = torch.empty((rows, n_a + n_m), device=a.device, dtype=out_dtype or torch.float8_e4m3fn)
+    s = torch.empty((rows, 1), device=a.device, dtype=torch.float32)
+    gelu_pair_rowwise_fp8_kernel[(rows,)](a, m, q, s, n_a, n_m, a.stride(0), m.stride(0), q.stride(0),
+                                          BLOCK_A=triton.next_power_of_2(n_a), BLOCK_M=triton.next_power_of_2(n_m),
+                                          num_warps=num_warps)
+    return q, s

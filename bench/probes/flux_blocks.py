@@ -573,14 +573,50 @@ class _GeluFp8(torch.nn.Module):
         self.lin, self.gelu_from = lin, gelu_from
 
     def forward(self, x):
-        from fluxaccel.core.quant import act_quant, fp8
+        from fluxaccel.core.quant import act_quant
 
-        ao, lin, kw = fp8.float8_ops(), self.lin, self.lin.fp8_act_kwargs
+        lin, kw = self.lin, self.lin.fp8_act_kwargs
         q, scale = act_quant.gelu_rowwise_fp8(x, self.gelu_from, kw.hp_value_lb, kw.hp_value_ub)
-        a, b = ao.preprocess_data(q, lin.weight.t(), lin.fp8_mm_config)
-        out = ao.addmm(a, scale, b, lin.fp8_weight_scale.t(), output_dtype=x.dtype, bias=lin.bias,
-                       use_fast_accum=lin.fp8_mm_config.use_fast_accum)
-        return out.reshape(*x.shape[:-1], lin.weight.shape[0])
+        return _fp8_gemm(lin, q, scale, x.dtype).reshape(*x.shape[:-1], lin.weight.shape[0])
+
+
+def _fp8_gemm(lin, q, scale, x_dtype):
+    """The FP8 plain Linear's GEMM of an already-quantized input (q, its row scales)."""
+    from fluxaccel.core.quant import fp8
+
+    ao = fp8.float8_ops()
+    a, b = ao.preprocess_data(q, lin.weight.t(), lin.fp8_mm_config)
+    return ao.addmm(a, scale, b, lin.fp8_weight_scale.t(), output_dtype=x_dtype, bias=lin.bias,
+                    use_fast_accum=lin.fp8_mm_config.use_fast_accum)
+
+
+class _SinglePair(torch.nn.Module):
+    """Lever probe: ComfyUI 0.33's SingleStreamBlock.forward (FLUX.1: its modulation inside, no patches, no
+    modulation_dims) with linear2's input quantized from the attention output and the MLP stream apart
+    (act_quant_variants.pair: GELU, one row scale, FP8), so the concatenation is never written. block: an FP8
+    per-row plain copy."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, vec, pe, attn_mask=None, transformer_options={}):
+        from comfy.ldm.flux.layers import apply_mod
+        from comfy.ldm.flux.math import attention
+
+        from bench.probes import act_quant_variants as variants
+
+        b = self.block
+        mod, _ = b.modulation(vec)
+        qkv, mlp = torch.split(b.linear1(apply_mod(b.pre_norm(x), (1 + mod.scale), mod.shift)),
+                               [3 * b.hidden_size, b.mlp_hidden_dim_first], dim=-1)
+        q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, b.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k = b.norm(q, k, v)
+        attn = attention(q, k, v, pe=pe, mask=attn_mask, transformer_options=transformer_options)
+        q8, scale = variants.pair(attn.reshape(-1, attn.shape[-1]), mlp.reshape(-1, mlp.shape[-1]))
+        out = _fp8_gemm(b.linear2, q8, scale, x.dtype).reshape(*x.shape[:-1], -1)
+        x += apply_mod(out, mod.gate)
+        return x
 
 
 def fused_copy(dbl, sgl, single: bool):
@@ -694,13 +730,16 @@ def fused(dbl, sgl, inputs, base, ref):
     (FP8 per-row plain, cuDNN-first attention, torch RoPE, no CUDA graphs), each with every kernel's time."""
     from fluxaccel.core.compile.attention import OVERRIDE_KEY, sdpa_cudnn_first
 
-    act_quant_kernel()
+    only = [w for w in os.environ.get("PROBE_ONLY", "").split(",") if w]  # variants whose name holds one of these
+    if not only:
+        act_quant_kernel()
     opts = {OVERRIDE_KEY: sdpa_cudnn_first}
     mk1 = {**base, "triton.multi_kernel": 1}
     d, s_ = fp8_copy(dbl, "per_row", "plain"), fp8_copy(sgl, "per_row", "plain")
     wd, ws = _Opts(d, opts, True), _Opts(s_, opts, True)
     fd_, fs_ = fused_copy(dbl, sgl, single=True)
     fwd, fws = _Opts(fd_, opts, True), _Opts(fs_, opts, True)
+    fwp = _Opts(_SinglePair(fp8_copy(sgl, "per_row", "plain")), opts, True)
     from fluxaccel.core.upstream import torch_internals
 
     def rows(n):  # inductor's caches are keyed by the choice too (torch_internals.persistent_reductions)
@@ -713,7 +752,11 @@ def fused(dbl, sgl, inputs, base, ref):
                              ("persistent rows <= 16384, others <= 1024", wd, ws, base, rows(16384)),
                              ("fused GELU+quant kernel (double and single MLPs)", fwd, fws, base, plain),
                              ("fused GELU+quant kernel + persistent rows <= 4096, others <= 1024", fwd, fws, base,
-                              rows(4096))):
+                              rows(4096)),
+                             ("fused GELU+quant kernel, single block without its concatenation (pair kernel) + "
+                              "persistent rows <= 4096, others <= 1024", fwd, fwp, base, rows(4096))):
+        if only and not any(w in name for w in only):
+            continue
         r = run_variant(name, a, b, inputs, compile_opts=o, graphs=False, ref=ref, within=w)
         if r:
             kernel_table(name, r[2], r[3], inputs)
