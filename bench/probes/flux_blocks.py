@@ -725,9 +725,11 @@ def _keep_tar(folder: Path) -> None:
 
 def fused(dbl, sgl, inputs, base, ref):
     """Row-wise FP8 quantization in one pass: the MLP's GELU + quantization as one hand-written kernel, inductor's
-    multi-kernel reductions (persistent or looped, chosen per kernel at run time) and wider persistent reductions
-    chosen at compile time (torch_internals.persistent_reductions), against the default
-    (FP8 per-row plain, cuDNN-first attention, torch RoPE, no CUDA graphs), each with every kernel's time."""
+    multi-kernel reductions (persistent or looped, chosen per kernel at run time), wider persistent reductions
+    chosen at compile time (torch_internals.persistent_reductions) and the single block without its concatenation
+    (_SinglePair), against the default
+    (FP8 per-row plain, cuDNN-first attention, torch RoPE, no CUDA graphs), each with every kernel's time.
+    PROBE_ONLY (comma-separated): only the variants whose name holds one of these, without the kernel sweep."""
     from fluxaccel.core.compile.attention import OVERRIDE_KEY, sdpa_cudnn_first
 
     only = [w for w in os.environ.get("PROBE_ONLY", "").split(",") if w]  # variants whose name holds one of these
