@@ -31,8 +31,9 @@ class QuantizeFP8(io.ComfyNode):
                 io.Boolean.Input("fuse_gelu", default=True, optional=True,
                                  tooltip="Compute each MLP's GELU and the FP8 quantization of its output in one pass "
                                          "(one kernel instead of a reduction that reads the activations twice): the "
-                                         "same numbers up to the last bit of a few values, faster on the GPU. Applies with granularity per_row and layout "
-                                         "plain; otherwise the text below says it is kept separate, and why."),
+                                         "same numbers up to the last bit of a few values, faster on the GPU. "
+                                         "Applies with granularity per_row and layout plain; otherwise the text "
+                                         "below says it is kept separate, and why."),
             ],
             outputs=[io.Model.Output(tooltip="The model with FP8 Linears; the input model is unchanged.")],
         )

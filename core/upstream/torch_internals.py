@@ -101,10 +101,10 @@ def inductor_config_differs(options: dict) -> dict | Unavailable:
 _wider: dict[tuple, type] = {}  # (inductor's choices class, limits) -> its subclass with wider persistent reductions
 
 
-def _with_wider_persistence(base: type, hints, inner: int, other: int) -> type:
+def _with_wider_persistence(base: type, v, hints, inner: int, other: int) -> type:
     """A subclass of inductor's choices class `base` that makes a reduction persistent where `base` would loop over it:
     a row reduction (ReductionHint.INNER) of up to `inner` elements, one of hint DEFAULT of up to `other`. Column
-    reductions (OUTER) and every other decision stay base's."""
+    reductions (OUTER) and every other decision stay base's. v: inductor's virtualized V (the graph being lowered)."""
     key = (base, inner, other)
     if key not in _wider:
         limits = {hints.INNER: inner, hints.DEFAULT: other}
@@ -118,9 +118,7 @@ def _with_wider_persistence(base: type, hints, inner: int, other: int) -> type:
                 limit = limits.get(features.get_reduction_hint())
                 if limit is None or getattr(features, "strict_sum_rblock", lambda: None)() is not None:
                     return False
-                from torch._inductor.virtualized import V
-
-                return bool(V.graph.sizevars.statically_known_leq(features.reduction_numel, limit))
+                return bool(v.graph.sizevars.statically_known_leq(features.reduction_numel, limit))
             except (AttributeError, TypeError):  # a later inductor's features: its own decision stands
                 return False
 
@@ -151,7 +149,7 @@ def persistent_reductions(inner: int, other: int):
         say(missing, consequence)
         yield
         return
-    cls = _with_wider_persistence(type(current), hints, inner, other)
+    cls = _with_wider_persistence(type(current), v, hints, inner, other)
     handler = cls.__new__(cls)  # the thread's handler as it is (its state kept), with the one decision changed
     handler.__dict__.update(getattr(current, "__dict__", {}))
     with setter(handler), _cache_tag(handler.uuid()):
