@@ -10,7 +10,7 @@ transformer_options["patches_replace"]["dit"][("double_block", i)] for every blo
 table of replacements that call the same block through a region function. Nothing is set on the module itself,
 so other workflow branches using the same model run the original code.
 
-Two details the region needs:
+What the region needs:
   * the blocks add their residuals in place (img += ...); a region must not mutate its inputs, so it clones
     them first (inductor folds the copy into the add: same bytes as the in-place add);
   * FLUX.2 and Chroma hand every block its modulation as ModulationOut records whose tensors are slices of one
@@ -24,6 +24,9 @@ Two details the region needs:
     constants or objects it can guard: FluxAccel's attention override (a function) is therefore put back into the
     options inside the region instead of passed in, and modulation records are passed as tensors (CPU, torch 2.14,
     19 + 38 blocks: tracing 13.9 -> 5.2 s).
+
+A single block's region runs FluxAccel's own forward of it (single_block.py: no concatenation written before linear2)
+where the config asks for it and the block is one that forward was written for; any other block, its own forward.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import dataclasses
 
 import torch
 
+from . import single_block
 from .attention import OVERRIDE_KEY
 from .fp8_attention import SCALES_KEY, qk_scales
 from .options import OWN_ATTENTION  # the override a region puts back, by the name it takes (a constant input)
@@ -55,9 +59,12 @@ def _double(block, img, txt, vec_layout, vec_tensors, pe, attn_mask, transformer
 
 
 @_region
-def _single(block, img, vec_layout, vec_tensors, pe, attn_mask, transformer_options, own_attention):
-    return block(img.clone(), vec=_rebuilt(vec_layout, vec_tensors), pe=pe, attn_mask=attn_mask,
-                 transformer_options=_with_attention(block, transformer_options, own_attention))
+def _single(block, img, vec_layout, vec_tensors, pe, attn_mask, transformer_options, own_attention, own_forward):
+    kwargs = dict(vec=_rebuilt(vec_layout, vec_tensors), pe=pe, attn_mask=attn_mask,
+                  transformer_options=_with_attention(block, transformer_options, own_attention))
+    if own_forward:  # FluxAccel's forward: no concatenation written before linear2 (single_block.py)
+        return single_block.forward(block, img.clone(), **kwargs)
+    return block(img.clone(), **kwargs)
 
 
 def _with_attention(block, options: dict, own_attention: str) -> dict:
@@ -134,20 +141,22 @@ def _double_replacement(block):
     return replace
 
 
-def _single_replacement(block):
+def _single_replacement(block, own_forward: bool):
     def replace(args, extra):
         img = _single(block, args["img"], *_flat(args["vec"]), args["pe"], args.get("attn_mask"),
-                      *_shared_options(args.get("transformer_options")))
+                      *_shared_options(args.get("transformer_options")), own_forward and single_block.ready(block))
         return {"img": img}
 
     return replace
 
 
 class BlockRegions:
-    """The patches_replace table for one FLUX diffusion model, rebuilt only if its blocks are swapped."""
+    """The patches_replace table for one FLUX diffusion model, rebuilt only if its blocks are swapped. single_blocks:
+    "fluxaccel" runs FluxAccel's single-block forward where it applies (single_block.py), "comfyui" the block's own."""
 
-    def __init__(self, dm: torch.nn.Module):
+    def __init__(self, dm: torch.nn.Module, single_blocks: str = "comfyui"):
         self._dm = dm
+        self._own_single = single_blocks == "fluxaccel"
         self._blocks: tuple = ()
         self._table: dict = {}
 
@@ -157,7 +166,8 @@ class BlockRegions:
             n = len(self._dm.double_blocks)
             self._blocks = blocks
             self._table = {(DOUBLE, i): _double_replacement(b) for i, b in enumerate(blocks[:n])}
-            self._table.update({(SINGLE, i): _single_replacement(b) for i, b in enumerate(blocks[n:])})
+            self._table.update({(SINGLE, i): _single_replacement(b, self._own_single and not single_block.known(
+                type(b))) for i, b in enumerate(blocks[n:])})
         return self._table
 
     def transformer_options(self) -> dict:

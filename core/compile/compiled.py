@@ -44,7 +44,7 @@ class CompiledFlux(torch.nn.Module):
         if cfg.block_regions:
             from .block_regions import BlockRegions
 
-            self.regions = BlockRegions(dm)
+            self.regions = BlockRegions(dm, cfg.single_blocks)
         self.cache, packages = self._persistence(dm, variant, layout)
         self.runner = Runner(dm, cfg.inductor_options(self.device), cfg.cuda_graphs, self.regions, packages,
                              attention=attention_override(cfg.attention))

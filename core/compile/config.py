@@ -17,6 +17,7 @@ MODES: tuple[str, ...] = ("default", "tuned-kernels", "max-autotune-no-cudagraph
 OWN_MODES: dict[str, dict] = {"tuned-kernels": {"coordinate_descent_tuning": True}}
 POLICIES: tuple[str, ...] = ("strict", "recompile", "eager_fallback")
 ATTENTIONS: tuple[str, ...] = ("cudnn", "fp8")  # fp8: FlashAttention-3's FP8 kernel (fp8_attention.py), opt-in
+SINGLE_BLOCKS: tuple[str, ...] = ("fluxaccel", "comfyui")  # whose single-block forward the regions run
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class CompileConfig:
     # a shape not compiled before compiles in a separate process while the model runs uncompiled (separate.py); needs
     # the warm-start packages (persistent_cache and warm_start), which carry the compiled call back
     separate_process: bool = False
+    # "fluxaccel": in the block regions, single blocks whose linear2 takes Quantize FP8's fused GELU run FluxAccel's
+    # forward, which never writes linear2's concatenated input (single_block.py); "comfyui": the block's own forward
+    single_blocks: Literal["fluxaccel", "comfyui"] = "fluxaccel"
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -42,6 +46,8 @@ class CompileConfig:
             raise FluxAccelError(f"resolution_policy must be one of {POLICIES}, got {self.resolution_policy!r}")
         if self.attention not in ATTENTIONS:
             raise FluxAccelError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.single_blocks not in SINGLE_BLOCKS:
+            raise FluxAccelError(f"single_blocks must be one of {SINGLE_BLOCKS}, got {self.single_blocks!r}")
         if self.max_shapes < 1:
             raise FluxAccelError(f"max_shapes must be at least 1, got {self.max_shapes}")
         if self.block_regions:
@@ -61,6 +67,8 @@ class CompileConfig:
             "CUDA graphs " + ("on" if self.cuda_graphs else "off"),
             f"shapes: {policy}",
             "repeated blocks compiled once" if self.block_regions else "every block compiled",
+            *(["single blocks without the concatenation before linear2 where Quantize FP8 fused the GELU"]
+              if self.block_regions and self.single_blocks == "fluxaccel" else []),
             *(["FP8 attention (FlashAttention-3), Q/K scales " + ("from the QK-norm bound" if self.block_regions
                                                                    else "per call (block_regions off)")]
               if self.attention == "fp8" else []),

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..upstream import say, torch_internals
-from . import reductions
+from . import reductions, single_block
 from .warm_start import UNUSABLE_FILE, UNWRITABLE
 
 log = logging.getLogger("fluxaccel.cache")
@@ -69,7 +69,7 @@ def cache_key(dm: torch.nn.Module, cfg, device: torch.device, variant: str = "",
             h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{type(p.data).__name__}".encode())
     # only what changes the compiled artifacts: the inductor options (graphs, mode), not resolution_policy etc.
     options = (repr(sorted(cfg.inductor_options(device).items())) + f" block_regions={cfg.block_regions}"
-               + f" {reductions.KEY}"
+               + f" {reductions.KEY} {single_block.cache_tag(dm, cfg.single_blocks)}"
                + (f" attention={cfg.attention}" if cfg.attention != "cudnn" else ""))
     ident = {"format": 1, "torch": torch.__version__, "triton": package_version("triton"),
              "torchao": package_version("torchao"),

@@ -12,7 +12,9 @@ import logging
 import torch
 
 from ..models.loaded import foreign_graph_compilers, require_compatible, resident
+from ..quant.linear import takes_gelu_pair
 from .config import CompileConfig
+from . import single_block
 from .compiled import CompiledFlux
 from ..env import require_torch
 from ..errors import FluxAccelError
@@ -103,6 +105,22 @@ def model_layout(model) -> str:
                  str(bm.get_dtype()), str(getattr(bm, "manual_cast_dtype", None))))
 
 
+def _say_single_blocks_off(compiled: CompiledFlux, model, dm, node: str) -> None:
+    """Where the config asks for FluxAccel's single-block forward (single_block.py) and Quantize FP8 fused the single
+    blocks' GELU into linear2, but the forward cannot run: say why (the model's stats, the node's text, the log)."""
+    blocks, cfg = getattr(dm, "single_blocks", None), compiled.cfg
+    if not (cfg.block_regions and cfg.single_blocks == "fluxaccel" and blocks):
+        return
+    linear2 = model.object_patches.get("diffusion_model.single_blocks.0.linear2")
+    if linear2 is None or not takes_gelu_pair(linear2, getattr(blocks[0], "hidden_size", -1)):
+        return
+    why = single_block.known(type(blocks[0]))
+    if why:
+        compiled.stats.degrade("single_blocks fluxaccel", f"{why}; ComfyUI's forward runs (linear2's concatenated "
+                                                          f"input is written first)")
+        log.warning("FluxAccel: %s runs ComfyUI's single-block forward: %s", node, why)
+
+
 def apply_compile(model, cfg: CompileConfig, node: str = NODE):
     """Return a clone of `model` whose diffusion model runs compiled (and graph-captured) as one module."""
     require_flux(model, node)
@@ -157,6 +175,7 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
         compiled.stats.degrade("CUDA graphs", graphs_off)
     if regions_off:
         compiled.stats.degrade("block_regions", regions_off)
+    _say_single_blocks_off(compiled, model, dm, node)
     clone.add_callback_with_key(on_load_callback_type(), COMPILE_KEY, partial_load_guard(node))
     return _install(clone, compiled)
 

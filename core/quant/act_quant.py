@@ -12,6 +12,10 @@ GPU kernel (Triton, as a `torch.library.triton_op`, so inductor compiles it into
 exp2 and an approximate division and multiplies by the scale's reciprocal, as inductor's own kernels do: a GELU value
 or an FP8 value differs from torch's in its last bit now and then (bench/probes/flux_blocks.py --fused counts them).
 Off the GPU the op runs the same in torch.
+
+`gelu_pair_rowwise_fp8` quantizes the same row read from two tensors, [a | GELU(m)]: the single block's attention
+output and MLP stream, so that FluxAccel's single-block forward (compile/single_block.py) never writes their
+concatenation. Its numbers are the one-input op's on the concatenated row.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import torch
 FP8_MAX = 448.0  # float8_e4m3fn's largest value
 MAX_ROW = 32768  # the widest row one program holds in registers (FLUX.1's MLPs: 12,288 and 15,360)
 OP_NAME = "fluxaccel::gelu_rowwise_fp8"
+PAIR_OP_NAME = "fluxaccel::gelu_pair_rowwise_fp8"
 
 
 def gelu_columns(x: torch.Tensor, gelu_from: int) -> torch.Tensor:
@@ -39,11 +44,12 @@ def reference(x: torch.Tensor, gelu_from: int, lb: float | None = None, ub: floa
     return q, scale
 
 
-def _kernel():
-    """The Triton kernel (its module imports triton: imported here, at a GPU call, not with FluxAccel)."""
-    from .act_quant_kernel import gelu_rowwise_fp8_kernel
+def _kernel(name: str = "gelu_rowwise_fp8_kernel"):
+    """A Triton kernel of act_quant_kernel.py (which imports triton: imported here, at a GPU call, not with
+    FluxAccel)."""
+    from . import act_quant_kernel
 
-    return gelu_rowwise_fp8_kernel
+    return getattr(act_quant_kernel, name)
 
 
 WARPS_PER_ELEMENTS = 1024  # one warp per this many elements of a row (4 to 32 warps): see num_warps
@@ -68,31 +74,56 @@ def _gpu(x, gelu_from, lb, ub):
     return q, s
 
 
+def _gpu_pair(a, m, lb, ub):
+    import triton
+    from torch.library import wrap_triton
+
+    rows, n_a = a.shape
+    n_m = m.shape[1]
+    q = torch.empty((rows, n_a + n_m), device=a.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty((rows, 1), device=a.device, dtype=torch.float32)
+    block_a, block_m = triton.next_power_of_2(n_a), triton.next_power_of_2(n_m)
+    wrap_triton(_kernel("gelu_pair_rowwise_fp8_kernel"))[(rows,)](
+        a, m, q, s, n_a, n_m, a.stride(0), m.stride(0), q.stride(0), 0.0 if lb is None else lb,
+        0.0 if ub is None else ub, HAS_LB=lb is not None, HAS_UB=ub is not None, BLOCK_A=block_a, BLOCK_M=block_m,
+        num_warps=num_warps(max(block_a, block_m)))
+    return q, s
+
+
 def _op_body(x: torch.Tensor, gelu_from: int, lb: float | None, ub: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     if x.device.type == "cuda":
         return _gpu(x, gelu_from, lb, ub)
     return reference(x, gelu_from, lb, ub)
 
 
-def _register():
-    """The operator, registered when this module is imported (a warm-start package made by another process calls it
-    by name); None, with the reason in UNAVAILABLE, where this torch cannot register it."""
+def _pair_body(a: torch.Tensor, m: torch.Tensor, lb: float | None,
+               ub: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if a.device.type == "cuda":
+        return _gpu_pair(a, m, lb, ub)
+    return reference(torch.cat((a, m), -1), a.shape[-1], lb, ub)
+
+
+def _register(name: str, body):
+    """The operator `name`, registered when this module is imported (a warm-start package made by another process
+    calls it by name); None, with the reason, where this torch cannot register it."""
     import importlib.util
 
     if importlib.util.find_spec("triton") is None:
         return None, "Triton is not installed (the fused kernel is a Triton kernel)"
-    registered = getattr(getattr(torch.ops, "fluxaccel", None), "gelu_rowwise_fp8", None)
+    namespace, _, op = name.partition("::")
+    registered = getattr(getattr(torch.ops, namespace, None), op, None)
     if registered is not None:  # this module imported again under another package name: the same operator
         return registered, ""
     try:
         from torch.library import triton_op
 
-        return triton_op(OP_NAME, mutates_args=())(_op_body), ""
+        return triton_op(name, mutates_args=())(body), ""
     except Exception as e:  # noqa: BLE001 -- an older or newer torch: fusion is then off, and the report says why
-        return None, f"torch {torch.__version__} could not register the {OP_NAME} operator ({type(e).__name__}: {e})"
+        return None, f"torch {torch.__version__} could not register the {name} operator ({type(e).__name__}: {e})"
 
 
-_OP, UNAVAILABLE = _register()
+_OP, UNAVAILABLE = _register(OP_NAME, _op_body)
+_PAIR_OP, PAIR_UNAVAILABLE = _register(PAIR_OP_NAME, _pair_body)
 
 
 def gelu_rowwise_fp8(x: torch.Tensor, gelu_from: int = 0, lb: float | None = None, ub: float | None = None):
@@ -104,3 +135,13 @@ def gelu_rowwise_fp8(x: torch.Tensor, gelu_from: int = 0, lb: float | None = Non
     if _OP is None:
         raise RuntimeError(UNAVAILABLE)
     return _OP(x2, int(gelu_from), lb, ub)
+
+
+def gelu_pair_rowwise_fp8(a: torch.Tensor, m: torch.Tensor, lb: float | None = None, ub: float | None = None):
+    """gelu_rowwise_fp8 of the row [a | m] with GELU from a's end on (`a` kept, GELU applied to `m`), read from a
+    (..., Na) and m (..., Nm) where they are: (q (rows, Na + Nm), scale (rows, 1))."""
+    a2, m2 = a.reshape(-1, a.shape[-1]), m.reshape(-1, m.shape[-1])
+    a2, m2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (a2, m2))
+    if _PAIR_OP is None:
+        raise RuntimeError(PAIR_UNAVAILABLE)
+    return _PAIR_OP(a2, m2, lb, ub)

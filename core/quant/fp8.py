@@ -20,7 +20,7 @@ from ..env import require_torchao
 from ..errors import FluxAccelError
 from ..models.profiles import FLUX1, Profile
 from ..upstream.torchao_internals import float8_primitives
-from .act_quant import UNAVAILABLE as GELU_OP_UNAVAILABLE, gelu_rowwise_fp8
+from .act_quant import UNAVAILABLE as GELU_OP_UNAVAILABLE, gelu_pair_rowwise_fp8, gelu_rowwise_fp8
 
 Granularity = Literal["per_tensor", "per_row"]
 Scope = Literal["blocks", "blocks+modulation", "all_linear"]
@@ -200,3 +200,12 @@ def fp8_linear_gelu(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor
     ao = _AO or float8_ops()
     x_data, x_scale = gelu_rowwise_fp8(x, gelu_from, act_kwargs.hp_value_lb, act_kwargs.hp_value_ub)
     return _scaled_gemm(ao, x_data, x_scale, w_data, w_scale, bias, mm_config, x)
+
+
+def fp8_linear_gelu_pair(a: torch.Tensor, m: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
+                         bias: torch.Tensor | None, act_kwargs, mm_config) -> torch.Tensor:
+    """fp8_linear_gelu of torch.cat((a, m), -1) with GELU from a's end on, the row read from a and m where they are
+    (the concatenation is never written); per-row activation scales only."""
+    ao = _AO or float8_ops()
+    x_data, x_scale = gelu_pair_rowwise_fp8(a, m, act_kwargs.hp_value_lb, act_kwargs.hp_value_ub)
+    return _scaled_gemm(ao, x_data, x_scale, w_data, w_scale, bias, mm_config, a)

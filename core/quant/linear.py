@@ -13,7 +13,7 @@ from ..errors import FluxAccelError
 from ..upstream import Unavailable, say, torch_internals
 from ..upstream.torchao_internals import map_float8_data
 from .act_quant import gelu_columns
-from .fp8 import Fp8Config, float8_ops, fp8_linear, fp8_linear_gelu, is_fp8_weight
+from .fp8 import Fp8Config, float8_ops, fp8_linear, fp8_linear_gelu, fp8_linear_gelu_pair, is_fp8_weight
 
 
 class _Fp8DeviceMove:
@@ -61,6 +61,12 @@ class _Fp8DeviceMove:
     set_weight = convert_weight
 
 
+def takes_gelu_pair(m: torch.nn.Module, first: int) -> bool:
+    """Whether m is a plain-layout FP8 Linear with dynamic scales whose fused GELU starts at column `first`, i.e.
+    can run fp8_forward_pair on (a, m) with `first` columns in a."""
+    return isinstance(m, _Fp8Plain) and m.gelu_from == first
+
+
 def is_fp8_linear(m: torch.nn.Module) -> bool:
     """A Linear quantized by quantize_linear, in either layout."""
     return isinstance(m, _Fp8DeviceMove)
@@ -88,6 +94,18 @@ class _Fp8Plain(_Fp8DeviceMove):
             x = self.activation_input(x)
         return fp8_linear(x, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs, self.fp8_mm_config,
                           act_scale)
+
+    def fp8_forward_pair(self, a, m):
+        """forward(torch.cat((a, m), -1)) for a Linear whose fused GELU starts at a's end (gelu_from), without the
+        concatenation written: GELU, the row-wise quantization and the row's assembly in one pass
+        (compile/single_block.py)."""
+        if self.gelu_from != a.shape[-1]:
+            raise FluxAccelError(f"fp8_forward_pair: this Linear's fused GELU starts at column {self.gelu_from}, "
+                                 f"not at the first input's end ({a.shape[-1]})")
+        if self.weight_function or self.bias_function:
+            self.convert_weight(self.weight)  # a lowvram/LoRA weight function reached an FP8 Linear: refuse
+        return fp8_linear_gelu_pair(a, m, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs,
+                                    self.fp8_mm_config)
 
     def activation_input(self, x):
         """What this Linear quantizes of its input x: x itself, or x with the fused GELU applied (gelu_from)."""

@@ -63,6 +63,22 @@ def test_the_registered_op_eager_and_compiled_equals_the_reference():
     assert hasattr(torch.ops.fluxaccel, "gelu_rowwise_fp8")
 
 
+@pytest.mark.parametrize("lb, ub", [(None, None), (0.5, 2.0)])
+def test_the_pair_op_is_the_one_input_op_on_the_concatenated_row(lb, ub):
+    """[a | GELU(m)] read from two tensors (m a strided view, as the single block's MLP stream is): the one-input
+    op's values and scales on torch.cat((a, m)), eager and compiled, with torchao's absmax bounds too."""
+    x = _rows(5, m=12, n=480)
+    a, m = x[:, :96], x[:, 96:416]  # m: a view with row stride 480
+    rq, rs = act_quant.gelu_rowwise_fp8(torch.cat((a, m), -1), 96, lb, ub)
+    q, s = act_quant.gelu_pair_rowwise_fp8(a, m, lb, ub)
+    assert q.shape == (12, 416) and torch.equal(q.float(), rq.float()) and torch.equal(s, rs)
+    torch._dynamo.reset()
+    cq, cs = torch.compile(lambda u, v: act_quant.gelu_pair_rowwise_fp8(u, v, lb, ub), dynamic=False,
+                           options={"emulate_precision_casts": True})(a.reshape(3, 4, 96), m.reshape(3, 4, 320))
+    assert torch.equal(cq.float(), rq.float()) and torch.equal(cs, rs)
+    assert hasattr(torch.ops.fluxaccel, "gelu_pair_rowwise_fp8")
+
+
 _INTERPRETED = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
@@ -81,13 +97,22 @@ for gelu_from in (0, 100):
                                HAS_UB=False, BLOCK=512)
     out[gelu_from] = (float(((s - rs) / rs).abs().max()), float(((v - rv).abs() / rv.abs().clamp(min=1)).max()),
                       float((v - rv).abs().max()))
+a, m = x[:, :100], x[:, 100:]  # the pair kernel: the same row read from two tensors
+_, rs = act_quant.reference(x, 100, 0.5, 3.0)
+h = torch.cat([a, torch.nn.functional.gelu(m, approximate="tanh")], 1)
+rv = (h.float() / rs).clamp(-448, 448)
+v, s = torch.empty(16, 300), torch.empty_like(rs)
+act_quant._kernel("gelu_pair_rowwise_fp8_kernel")[(16,)](a, m, v, s, 100, 200, a.stride(0), m.stride(0), v.stride(0),
+                                                         0.5, 3.0, HAS_LB=True, HAS_UB=True, BLOCK_A=128, BLOCK_M=256)
+out["pair"] = (float(((s - rs) / rs).abs().max()), float(((v - rv).abs() / rv.abs().clamp(min=1)).max()),
+               float((v - rv).abs().max()))
 print(out)
 """
 
 
 def test_the_triton_kernel_in_tritons_interpreter_matches_the_reference(tmp_path):
-    """The GPU kernel run by Triton's CPU interpreter (its rows, columns, GELU from gelu_from on, reduction and
-    scaling), writing its values before the e4m3 cast (a float32 output): each row's scale and every value as the
+    """The GPU kernels run by Triton's CPU interpreter (its rows, columns, GELU from gelu_from on, reduction and
+    scaling; the pair kernel reading the row from two tensors, with absmax bounds), writing its values before the e4m3 cast (a float32 output): each row's scale and every value as the
     reference's, up to the interpreter's bf16 casts, which truncate (the GPU's rounding and e4m3 cast are compared
     with the reference on the GPU, in bench/probes/flux_blocks.py --fused)."""
     pytest.importorskip("triton")
@@ -113,6 +138,7 @@ def test_imported_again_the_module_reuses_the_registered_operator():
     again = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(again)
     assert again.UNAVAILABLE == "" and again._OP is not None
+    assert again.PAIR_UNAVAILABLE == "" and again._PAIR_OP is not None
     x = _rows(4)
     assert torch.equal(again.gelu_rowwise_fp8(x, 0)[1], act_quant.gelu_rowwise_fp8(x, 0)[1])
 
@@ -122,5 +148,6 @@ def test_without_triton_the_operator_is_unavailable_with_the_reason(monkeypatch)
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
-    op, why = act_quant._register()
-    assert op is None and why == "Triton is not installed (the fused kernel is a Triton kernel)"
+    for name, body in ((act_quant.OP_NAME, act_quant._op_body), (act_quant.PAIR_OP_NAME, act_quant._pair_body)):
+        op, why = act_quant._register(name, body)
+        assert op is None and why == "Triton is not installed (the fused kernel is a Triton kernel)"
