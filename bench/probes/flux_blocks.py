@@ -792,6 +792,40 @@ def flux2(base):
                 compile_opts={**base, "coordinate_descent_tuning": True}, graphs=False, ref=ref)
 
 
+def flux2_rows(base):
+    """FLUX.2 [dev]'s blocks (a step = 8 double + 48 single) under the product's persistent-reduction limits (rows up to
+    4,096) and with rows up to 8,192 (FLUX.2's 6,144-wide LayerNorm rows persistent too), against inductor's own rule,
+    with every kernel's device time (which also sizes the SiLU-gated MLP's quantization kernel)."""
+    global BLOCKS, TAG
+    BLOCKS, TAG = (8, 48), "flux2-dev: "
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    dbl, sgl, emb, ids, vec_d, vec_s = build_flux2_blocks()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    img = torch.randn(1, 4096, 6144, device="cuda", dtype=torch.bfloat16, generator=g)
+    txt = torch.randn(1, 512, 6144, device="cuda", dtype=torch.bfloat16, generator=g)
+    with torch.inference_mode():
+        pe = emb(ids)
+    inputs = (img, txt, vec_d, pe, torch.cat([txt, img], 1), vec_s)
+    eager = run_variant(f"{TAG}bf16 eager", dbl, sgl, inputs)
+    ref = (eager[0], eager[1]) if eager else None
+    from fluxaccel.core.compile.attention import OVERRIDE_KEY, sdpa_cudnn_first
+    from fluxaccel.core.upstream import torch_internals
+
+    d, s_ = fp8_copy(dbl, "per_row", "plain"), fp8_copy(sgl, "per_row", "plain")
+    del dbl, sgl
+    wd, ws = _Opts(d, {OVERRIDE_KEY: sdpa_cudnn_first}, True), _Opts(s_, {OVERRIDE_KEY: sdpa_cudnn_first}, True)
+    for name, within in (("inductor's rule", contextlib.nullcontext),
+                         ("persistent rows <= 4096, others <= 1024 (the product)",
+                          lambda: torch_internals.persistent_reductions(4096, 1024)),
+                         ("persistent rows <= 8192, others <= 1024",
+                          lambda: torch_internals.persistent_reductions(8192, 1024))):
+        r = run_variant(f"{TAG}fp8 row plain compile, {name}", wd, ws, inputs, compile_opts=base, graphs=False,
+                        ref=ref, within=within)
+        if r:
+            kernel_table(f"{TAG}{name}", r[2], r[3], inputs)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -805,6 +839,8 @@ def main():
     ap.add_argument("--fa3", action="store_true",
                     help="FP8 attention (FlashAttention-3's FP8 kernel, the fa3-fwd wheel) against the default, with "
                          "the error and a kernel profile")
+    ap.add_argument("--flux2-rows", action="store_true",
+                    help="FLUX.2 [dev]'s blocks under persistent-reduction limits 4,096 and 8,192, with kernel tables")
     ap.add_argument("--flux2", action="store_true",
                     help="also FLUX.2 [dev]'s blocks (8 double + 48 single): the default, static activation scales, "
                          "FP8 attention, coordinate-descent tuning")
@@ -825,6 +861,12 @@ def main():
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     emit("env", torch=torch.__version__, gpu=torch.cuda.get_device_name(0),
          cudnn=torch.backends.cudnn.version())
+    if a.flux2_rows:  # FLUX.2's blocks only
+        flux2_rows({"emulate_precision_casts": True})
+        _keep_generated_code(OUT_DIR / "kernels")
+        _keep_tar(OUT_DIR / "kernels")
+        table()
+        return
     if not (a.skip_micro or a.layouts or a.levers or a.fa3 or a.gemm_cases or a.bandwidth
             or a.fused):
         sdpa_backends()
