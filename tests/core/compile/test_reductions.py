@@ -33,6 +33,7 @@ def decide(elements, hint, cooperative=False) -> bool:
 
 @pytest.mark.parametrize("elements, hint, inside", [
     (3072, ReductionHint.INNER, True),  # FLUX.1's LayerNorm rows: looped by inductor's own rule, persistent here
+    (6144, ReductionHint.INNER, True),  # FLUX.2 [dev]'s LayerNorm rows
     (reductions.ROWS, ReductionHint.INNER, True),
     (reductions.ROWS + 1, ReductionHint.INNER, False),
     (12288, ReductionHint.INNER, False),  # the unfused GELU's rows (slower persistent on the H200)
