@@ -619,6 +619,50 @@ class _SinglePair(torch.nn.Module):
         return x
 
 
+class _SiluFp8(torch.nn.Module):
+    """Lever probe (FLUX.2): a SiLU-gated MLP's gate (SiLU(m1) * m2) and its second (FP8 plain) Linear's row-wise
+    activation quantization in one pass (act_quant_variants.silu_gate), then the same FP8 GEMM; m = the first Linear's
+    output, passed whole (an Identity in SiLUActivation's place)."""
+
+    def __init__(self, lin):
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, m):
+        from bench.probes import act_quant_variants as variants
+
+        q, scale = variants.silu_gate(m.reshape(-1, m.shape[-1]))
+        return _fp8_gemm(self.lin, q, scale, m.dtype).reshape(*m.shape[:-1], self.lin.weight.shape[0])
+
+
+class _SinglePairSilu(torch.nn.Module):
+    """Lever probe (FLUX.2): ComfyUI 0.33's SingleStreamBlock.forward for a block without modulation of its own and a
+    SiLU-gated MLP (no patches, no modulation_dims), linear2's input quantized from the attention output and the MLP
+    stream apart (act_quant_variants.silu_gate_pair), its concatenation never written. block: an FP8 per-row plain
+    copy."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, vec, pe, attn_mask=None, transformer_options={}):
+        from comfy.ldm.flux.layers import apply_mod
+        from comfy.ldm.flux.math import attention
+
+        from bench.probes import act_quant_variants as variants
+
+        b, mod = self.block, vec
+        qkv, mlp = torch.split(b.linear1(apply_mod(b.pre_norm(x), (1 + mod.scale), mod.shift)),
+                               [3 * b.hidden_size, b.mlp_hidden_dim_first], dim=-1)
+        q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, b.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k = b.norm(q, k, v)
+        attn = attention(q, k, v, pe=pe, mask=attn_mask, transformer_options=transformer_options)
+        q8, scale = variants.silu_gate_pair(attn.reshape(-1, attn.shape[-1]), mlp.reshape(-1, mlp.shape[-1]))
+        out = _fp8_gemm(b.linear2, q8, scale, x.dtype).reshape(*x.shape[:-1], -1)
+        x += apply_mod(out, mod.gate)
+        return x
+
+
 def fused_copy(dbl, sgl, single: bool):
     """FP8 per-row plain copies of the blocks with the MLP's GELU fused into the next Linear's quantization (double
     blocks' img/txt MLPs; with `single`, the single block's linear2 too, after its concatenation)."""
@@ -793,9 +837,10 @@ def flux2(base):
 
 
 def flux2_rows(base):
-    """FLUX.2 [dev]'s blocks (a step = 8 double + 48 single) under the product's persistent-reduction limits (rows up to
-    4,096) and with rows up to 8,192 (FLUX.2's 6,144-wide LayerNorm rows persistent too), against inductor's own rule,
-    with every kernel's device time (which also sizes the SiLU-gated MLP's quantization kernel)."""
+    """FLUX.2 [dev]'s blocks (a step = 8 double + 48 single) under persistent-reduction limits 4,096 and 8,192 (FLUX.2's
+    6,144-wide LayerNorm rows persistent with the second), against inductor's own rule, then with the SiLU-gated MLP's
+    gate and activation quantization in one pass (act_quant_variants.silu_gate / silu_gate_pair: the double blocks'
+    MLPs; the single block's linear2 without its concatenation), with every kernel's device time."""
     global BLOCKS, TAG
     BLOCKS, TAG = (8, 48), "flux2-dev: "
     torch._dynamo.reset()
@@ -822,6 +867,15 @@ def flux2_rows(base):
                           lambda: torch_internals.persistent_reductions(8192, 1024))):
         r = run_variant(f"{TAG}fp8 row plain compile, {name}", wd, ws, inputs, compile_opts=base, graphs=False,
                         ref=ref, within=within)
+        if r:
+            kernel_table(f"{TAG}{name}", r[2], r[3], inputs)
+    for mlp in (d.img_mlp, d.txt_mlp):  # the SiLU gate fused into the FP8 quantization after it
+        mlp[1], mlp[2] = torch.nn.Identity(), _SiluFp8(mlp[2])
+    wp = _Opts(_SinglePairSilu(s_), {OVERRIDE_KEY: sdpa_cudnn_first}, True)
+    for name, single in (("fused SiLU-gate+quant kernel (double MLPs)", ws),
+                         ("fused SiLU-gate+quant kernel (double MLPs; single linear2 without its concatenation)", wp)):
+        r = run_variant(f"{TAG}{name} + persistent rows <= 8192", wd, single, inputs, compile_opts=base,
+                        graphs=False, ref=ref, within=lambda: torch_internals.persistent_reductions(8192, 1024))
         if r:
             kernel_table(f"{TAG}{name}", r[2], r[3], inputs)
 
