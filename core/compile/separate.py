@@ -272,7 +272,8 @@ def _compile(job: dict, dm: torch.nn.Module, device: torch.device, t0: float) ->
         return {"saved": False, "error": f"the call rebuilt in the separate process differs in {', '.join(differs)}"}
     cfg = CompileConfig(**h["config"])
     if cfg.block_regions:
-        kwargs["transformer_options"] = {**BlockRegions(dm, cfg.single_blocks).transformer_options(), **kwargs["transformer_options"]}
+        kwargs["transformer_options"] = {**BlockRegions(dm, cfg.single_blocks).transformer_options(),
+                                         **kwargs["transformer_options"]}
     log.info("FluxAccel compile process: rebuilt the model and its call in %.1f s", time.perf_counter() - t0)
     cache = KernelCache(h["key"], Path(h["cache_dir"]))
     cache.load()

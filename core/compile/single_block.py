@@ -24,7 +24,6 @@ import torch
 
 from ..quant.linear import takes_gelu_pair
 
-FORWARDS: tuple[str, ...] = ("fluxaccel", "comfyui")
 # SHA-256 of SingleStreamBlock.forward's source (dedented) -> where it was read
 KNOWN = {"0a79a7f4b0ed0598aaa39388484046d2eca88c48e67e5f6917dab984f3b551b6": "ComfyUI 0.33.0"}
 _CALLS = ("apply_mod", "attention")  # the module-level functions the forward calls, taken from the class's module
