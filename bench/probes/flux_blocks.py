@@ -840,7 +840,8 @@ def flux2_rows(base):
     """FLUX.2 [dev]'s blocks (a step = 8 double + 48 single) under persistent-reduction limits 4,096 and 8,192 (FLUX.2's
     6,144-wide LayerNorm rows persistent with the second), against inductor's own rule, then with the SiLU-gated MLP's
     gate and activation quantization in one pass (act_quant_variants.silu_gate / silu_gate_pair: the double blocks'
-    MLPs; the single block's linear2 without its concatenation), with every kernel's device time."""
+    MLPs; the single block's linear2 without its concatenation), with every kernel's device time. PROBE_ONLY
+    (comma-separated): only the limit variants whose name holds one of these (the fused ones always run)."""
     global BLOCKS, TAG
     BLOCKS, TAG = (8, 48), "flux2-dev: "
     torch._dynamo.reset()
@@ -860,11 +861,14 @@ def flux2_rows(base):
     d, s_ = fp8_copy(dbl, "per_row", "plain"), fp8_copy(sgl, "per_row", "plain")
     del dbl, sgl
     wd, ws = _Opts(d, {OVERRIDE_KEY: sdpa_cudnn_first}, True), _Opts(s_, {OVERRIDE_KEY: sdpa_cudnn_first}, True)
+    only = [w for w in os.environ.get("PROBE_ONLY", "").split(",") if w]  # variants whose name holds one of these
     for name, within in (("inductor's rule", contextlib.nullcontext),
                          ("persistent rows <= 4096, others <= 1024 (the product)",
                           lambda: torch_internals.persistent_reductions(4096, 1024)),
                          ("persistent rows <= 8192, others <= 1024",
                           lambda: torch_internals.persistent_reductions(8192, 1024))):
+        if only and not any(w in name for w in only):
+            continue
         r = run_variant(f"{TAG}fp8 row plain compile, {name}", wd, ws, inputs, compile_opts=base, graphs=False,
                         ref=ref, within=within)
         if r:
