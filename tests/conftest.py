@@ -73,3 +73,14 @@ def _unload_models():
     import comfy.model_management as mm
 
     mm.unload_all_models()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """dynamo's caches and counters emptied before and after the test; yields the counters."""
+    import torch._dynamo.utils as dynamo_utils
+
+    dynamo_utils.counters.clear()
+    torch._dynamo.reset()
+    yield dynamo_utils.counters
+    torch._dynamo.reset()

@@ -2,7 +2,6 @@
 
 recompute: the row kept in registers as bf16 only (half the registers of keeping GELU's fp32 output), GELU evaluated
 again after the row's maximum: more arithmetic, more programs resident per SM. Same numbers as the product kernel.
-pair: the single block's linear2 input read from the attention output and the MLP stream apart.
 silu_gate, silu_gate_pair: FLUX.2's SiLU-gated MLP (SiLU(m1) * m2) and its row-wise FP8 quantization in one pass, for
 the double blocks' MLPs and the single block's linear2 (flux_blocks.py --flux2-rows).
 """
@@ -44,43 +43,18 @@ def recompute(x, gelu_from, num_warps):
     return q, s
 
 
-@triton.jit
-def gelu_pair_rowwise_fp8_kernel(a_ptr, m_ptr, q_ptr, s_ptr, n_a, n_m, a_stride, m_stride, q_stride,
-                                 BLOCK_A: tl.constexpr, BLOCK_M: tl.constexpr):
-    """pair: the single block's linear2 input without its concatenation written first -- row i of the attention
-    output `a` (kept as it is) and of the MLP stream `m` (GELU applied; a strided view of linear1's output), one
-    scale over both, written as one FP8 row [a | GELU(m)]. Same numbers as the product kernel on the concatenation."""
-    row = tl.program_id(0).to(tl.int64)
-    ca = tl.arange(0, BLOCK_A)
-    cm = tl.arange(0, BLOCK_M)
-    a = tl.load(a_ptr + row * a_stride + ca, mask=ca < n_a, other=0.0).to(tl.float32)
-    x = tl.load(m_ptr + row * m_stride + cm, mask=cm < n_m, other=0.0)
-    xf = x.to(tl.float32)
-    g = tl.fdiv(xf, 1.0 + tl.exp2(xf * (_C1 + _C3 * xf * xf))).to(x.dtype).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(a), 0), tl.max(tl.abs(g), 0))
-    scale = tl.math.div_rn(amax, 448.0).to(x.dtype).to(tl.float32)
-    r = 1.0 / scale
-    tl.store(q_ptr + row * q_stride + ca, tl.clamp(a * r, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=ca < n_a)
-    tl.store(q_ptr + row * q_stride + n_a + cm, tl.clamp(g * r, -448.0, 448.0).to(q_ptr.dtype.element_ty),
-             mask=cm < n_m)
-    tl.store(s_ptr + row, scale)
-
-
-def pair(a, m, num_warps=16, out_dtype=None):
-    """(q, scale) of [a | GELU(m)] row by row: a (rows, n_a) and m (rows, n_m), each with unit column stride."""
-    import torch
-
-    rows, n_a = a.shape
-    n_m = m.shape[1]
-    q = torch.empty((rows, n_a + n_m), device=a.device, dtype=out_dtype or torch.float8_e4m3fn)
-    s = torch.empty((rows, 1), device=a.device, dtype=torch.float32)
-    gelu_pair_rowwise_fp8_kernel[(rows,)](a, m, q, s, n_a, n_m, a.stride(0), m.stride(0), q.stride(0),
-                                          BLOCK_A=triton.next_power_of_2(n_a), BLOCK_M=triton.next_power_of_2(n_m),
-                                          num_warps=num_warps)
-    return q, s
-
-
 _NEG_LOG2E = tl.constexpr(-1.4426950408889634)  # SiLU(x) = x / (1 + 2^(-log2(e) x))
+
+
+@triton.jit
+def _silu_gated(m_row, ch, hm, n_h):
+    """SiLU(m1) * m2 of one row m = [m1 | m2] (n_h columns each) at columns ch (mask hm), rounded to m's dtype after
+    each op as eager rounds (ComfyUI's SiLUActivation: gate_fn(x1) * x2), as float32."""
+    x1 = tl.load(m_row + ch, mask=hm, other=0.0)
+    x2 = tl.load(m_row + n_h + ch, mask=hm, other=0.0)
+    x1f = x1.to(tl.float32)
+    g = tl.fdiv(x1f, 1.0 + tl.exp2(x1f * _NEG_LOG2E)).to(x1.dtype).to(tl.float32)
+    return (g * x2.to(tl.float32)).to(x1.dtype).to(tl.float32)
 
 
 @triton.jit
@@ -91,12 +65,8 @@ def silu_gate_rowwise_fp8_kernel(m_ptr, q_ptr, s_ptr, n_h, m_stride, q_stride, B
     row = tl.program_id(0).to(tl.int64)
     ch = tl.arange(0, BLOCK_H)
     hm = ch < n_h
-    x1 = tl.load(m_ptr + row * m_stride + ch, mask=hm, other=0.0)
-    x2 = tl.load(m_ptr + row * m_stride + n_h + ch, mask=hm, other=0.0)
-    x1f = x1.to(tl.float32)
-    g = tl.fdiv(x1f, 1.0 + tl.exp2(x1f * _NEG_LOG2E)).to(x1.dtype).to(tl.float32)
-    h = (g * x2.to(tl.float32)).to(x1.dtype).to(tl.float32)
-    scale = tl.math.div_rn(tl.max(tl.abs(h), 0), 448.0).to(x1.dtype).to(tl.float32)
+    h = _silu_gated(m_ptr + row * m_stride, ch, hm, n_h)
+    scale = tl.math.div_rn(tl.max(tl.abs(h), 0), 448.0).to(m_ptr.dtype.element_ty).to(tl.float32)
     tl.store(q_ptr + row * q_stride + ch, tl.clamp(h * (1.0 / scale), -448.0, 448.0).to(q_ptr.dtype.element_ty),
              mask=hm)
     tl.store(s_ptr + row, scale)
@@ -110,15 +80,11 @@ def silu_gate_pair_rowwise_fp8_kernel(a_ptr, m_ptr, q_ptr, s_ptr, n_a, n_h, a_st
     row = tl.program_id(0).to(tl.int64)
     ch = tl.arange(0, BLOCK_H)
     hm = ch < n_h
-    x1 = tl.load(m_ptr + row * m_stride + ch, mask=hm, other=0.0)
-    x2 = tl.load(m_ptr + row * m_stride + n_h + ch, mask=hm, other=0.0)
-    x1f = x1.to(tl.float32)
-    g = tl.fdiv(x1f, 1.0 + tl.exp2(x1f * _NEG_LOG2E)).to(x1.dtype).to(tl.float32)
-    h = (g * x2.to(tl.float32)).to(x1.dtype).to(tl.float32)
+    h = _silu_gated(m_ptr + row * m_stride, ch, hm, n_h)
     ca = tl.arange(0, BLOCK_A)
     a = tl.load(a_ptr + row * a_stride + ca, mask=ca < n_a, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(h), 0), tl.max(tl.abs(a), 0))
-    scale = tl.math.div_rn(amax, 448.0).to(x1.dtype).to(tl.float32)
+    scale = tl.math.div_rn(amax, 448.0).to(m_ptr.dtype.element_ty).to(tl.float32)
     r = 1.0 / scale
     q_row = q_ptr + row * q_stride
     tl.store(q_row + ca, tl.clamp(a * r, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=ca < n_a)

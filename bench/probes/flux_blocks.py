@@ -593,7 +593,7 @@ def _fp8_gemm(lin, q, scale, x_dtype):
 class _SinglePair(torch.nn.Module):
     """Lever probe: ComfyUI 0.33's SingleStreamBlock.forward (FLUX.1: its modulation inside, no patches, no
     modulation_dims) with linear2's input quantized from the attention output and the MLP stream apart
-    (act_quant_variants.pair: GELU, one row scale, FP8), so the concatenation is never written. block: an FP8
+    (act_quant.gelu_pair_rowwise_fp8: GELU, one row scale, FP8), so the concatenation is never written. block: an FP8
     per-row plain copy."""
 
     def __init__(self, block):
@@ -604,7 +604,7 @@ class _SinglePair(torch.nn.Module):
         from comfy.ldm.flux.layers import apply_mod
         from comfy.ldm.flux.math import attention
 
-        from bench.probes import act_quant_variants as variants
+        from fluxaccel.core.quant import act_quant
 
         b = self.block
         mod, _ = b.modulation(vec)
@@ -613,7 +613,7 @@ class _SinglePair(torch.nn.Module):
         q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, b.num_heads, -1).permute(2, 0, 3, 1, 4)
         q, k = b.norm(q, k, v)
         attn = attention(q, k, v, pe=pe, mask=attn_mask, transformer_options=transformer_options)
-        q8, scale = variants.pair(attn.reshape(-1, attn.shape[-1]), mlp.reshape(-1, mlp.shape[-1]))
+        q8, scale = act_quant.gelu_pair_rowwise_fp8(attn, mlp)
         out = _fp8_gemm(b.linear2, q8, scale, x.dtype).reshape(*x.shape[:-1], -1)
         x += apply_mod(out, mod.gate)
         return x
@@ -810,8 +810,9 @@ def fused(dbl, sgl, inputs, base, ref):
     _keep_tar(OUT_DIR / "kernels")
 
 
-def flux2(base):
-    """The per-step levers on FLUX.2 [dev]'s blocks (a step estimated as 8 double + 48 single)."""
+def _flux2_case():
+    """FLUX.2 [dev]'s blocks at 1024² with 512 text tokens, their inputs and their bf16 eager outputs (the reference
+    of every variant's error); step estimates from here on count 8 double + 48 single blocks."""
     global BLOCKS, TAG
     BLOCKS, TAG = (8, 48), "flux2-dev: "
     torch._dynamo.reset()
@@ -824,7 +825,12 @@ def flux2(base):
         pe = emb(ids)
     inputs = (img, txt, vec_d, pe, torch.cat([txt, img], 1), vec_s)
     eager = run_variant(f"{TAG}bf16 eager", dbl, sgl, inputs)
-    ref = (eager[0], eager[1]) if eager else None
+    return dbl, sgl, inputs, (eager[0], eager[1]) if eager else None
+
+
+def flux2(base):
+    """The per-step levers on FLUX.2 [dev]'s blocks (a step estimated as 8 double + 48 single)."""
+    dbl, sgl, inputs, ref = _flux2_case()
     got = fp8_attention(dbl, sgl, inputs, base, ref)
     if not got:
         return
@@ -842,19 +848,7 @@ def flux2_rows(base):
     gate and activation quantization in one pass (act_quant_variants.silu_gate / silu_gate_pair: the double blocks'
     MLPs; the single block's linear2 without its concatenation), with every kernel's device time. PROBE_ONLY
     (comma-separated): only the limit variants whose name holds one of these (the fused ones always run)."""
-    global BLOCKS, TAG
-    BLOCKS, TAG = (8, 48), "flux2-dev: "
-    torch._dynamo.reset()
-    torch.cuda.empty_cache()
-    dbl, sgl, emb, ids, vec_d, vec_s = build_flux2_blocks()
-    g = torch.Generator(device="cuda").manual_seed(1)
-    img = torch.randn(1, 4096, 6144, device="cuda", dtype=torch.bfloat16, generator=g)
-    txt = torch.randn(1, 512, 6144, device="cuda", dtype=torch.bfloat16, generator=g)
-    with torch.inference_mode():
-        pe = emb(ids)
-    inputs = (img, txt, vec_d, pe, torch.cat([txt, img], 1), vec_s)
-    eager = run_variant(f"{TAG}bf16 eager", dbl, sgl, inputs)
-    ref = (eager[0], eager[1]) if eager else None
+    dbl, sgl, inputs, ref = _flux2_case()
     from fluxaccel.core.compile.attention import OVERRIDE_KEY, sdpa_cudnn_first
     from fluxaccel.core.upstream import torch_internals
 

@@ -166,8 +166,10 @@ class BlockRegions:
             n = len(self._dm.double_blocks)
             self._blocks = blocks
             self._table = {(DOUBLE, i): _double_replacement(b) for i, b in enumerate(blocks[:n])}
-            self._table.update({(SINGLE, i): _single_replacement(b, self._own_single and not single_block.known(
-                type(b))) for i, b in enumerate(blocks[n:])})
+            own = {cls: not single_block.known(cls) for cls in {type(b) for b in blocks[n:]}} if self._own_single \
+                else {}  # per block class: whether FluxAccel's single-block forward was written for it
+            self._table.update({(SINGLE, i): _single_replacement(b, own.get(type(b), False))
+                                for i, b in enumerate(blocks[n:])})
         return self._table
 
     def transformer_options(self) -> dict:

@@ -25,14 +25,6 @@ def _run(fn, inp, options):
     return fn(x, t, context=ctx, y=y, guidance=guidance, transformer_options=options)
 
 
-@pytest.fixture
-def fresh_dynamo():
-    dynamo_utils.counters.clear()
-    torch._dynamo.reset()
-    yield dynamo_utils.counters
-    torch._dynamo.reset()
-
-
 def _subgraph_calls(gm) -> list[str]:
     """The region body each invoke_subgraph call of a dynamo graph runs (the get_attr name of its body)."""
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]

@@ -29,14 +29,6 @@ READ = COMFY_VERSION == "0.33.0"  # the ComfyUI whose single-block forward FluxA
 
 
 @pytest.fixture
-def fresh_dynamo():
-    dynamo_utils.counters.clear()
-    torch._dynamo.reset()
-    yield dynamo_utils.counters
-    torch._dynamo.reset()
-
-
-@pytest.fixture
 def pair_calls(monkeypatch):
     """How often linear2 was called on the two parts (FluxAccel's forward ran)."""
     calls = []
