@@ -3,12 +3,13 @@ torch.cuda.CUDAGraph under PyTorch's cudaMallocAsync allocator, ComfyUI 0.33's d
 its own per-block graphs (comfy/model_prefetch.py)? The probe wraps the compiled call: first call uncaptured,
 second captured (thread-local mode), later ones replayed. Each variant runs in its own process (a failed capture
 under cudaMallocAsync can abort the process) with the FLUX-width e2e model (1 double + 1 single block), FP8 per-row
-plain blocks+modulation, no block regions, latent 128x128 (1024²), 512 text tokens:
+plain blocks+modulation, without block regions unless the variant says so, latent 128x128 (1024²), 512 text tokens:
 
-    source .gpu033/setup-on-device.sh; python3 bench/probes/graph_capture.py --out $OUT
+    source .gpu033/setup-on-device.sh; python3 bench/probes/graph_capture.py --out $OUT [--variants a,b]
 
 Per variant: whether the capture worked, dynamo graphs made during each call, outputs of captured replays vs the
-uncaptured compiled call (bit-identical expected), and host/device ms per call.
+uncaptured compiled call (bit-identical expected), host/device ms per call, and where the capture worked the median
+ms per call of replays against uncaptured compiled calls, alternated.
 """
 from __future__ import annotations
 
@@ -21,10 +22,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-VARIANTS = {
-    "default": {},
-    "no-static-launcher": {"use_static_cuda_launcher": False},
-    "forced-failure": {},  # a host sync inside the captured call: the capture must fail without killing the process
+VARIANTS = {  # inductor options over FluxAccel's own, and whether the blocks compile as regions
+    "default": ({}, False),
+    "no-static-launcher": ({"use_static_cuda_launcher": False}, False),
+    "forced-failure": ({}, False),  # a host sync inside the captured call: the capture must fail, the process live on
+    # inductor's C++ wrapper launches its Triton kernels with cuLaunchKernel and no pointer check, so graph memory
+    # nodes (the buffers a call allocates while captured) may be passed to them
+    "cpp-wrapper": ({"cpp_wrapper": True}, False),
+    "cpp-wrapper-regions": ({"cpp_wrapper": True}, True),
 }
 
 
@@ -34,12 +39,13 @@ class Capture:
     def __init__(self, fn, sync_inside=False):
         self.fn, self.sync_inside = fn, sync_inside
         self.calls, self.replays, self.graph, self.failed, self.keep = 0, 0, None, None, []
+        self.bypass = False  # True: the compiled call uncaptured (the timing reference)
 
     def __call__(self, x, timestep, **kw):
         import torch
 
         self.calls += 1
-        if self.calls == 1 or self.failed:
+        if self.calls == 1 or self.failed or self.bypass:
             return self.fn(x, timestep, **kw)
         if self.graph is None:
             self.static = (x.clone(), timestep.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v
@@ -88,14 +94,14 @@ def child(variant: str) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from support.models import build_flux, synthetic_conditioning_for
 
-    extra = VARIANTS[variant]
+    extra, regions = VARIANTS[variant]
     orig = cc.CompileConfig.inductor_options
     cc.CompileConfig.inductor_options = lambda self, device: {**orig(self, device), **extra}
     out = {"variant": variant, "allocator": torch.cuda.get_allocator_backend(), "torch": torch.__version__}
     with torch.inference_mode():
         model = build_flux("e2e", device="cuda")
         q, _ = apply_fp8(model, Fp8Config(granularity="per_row", scope="blocks+modulation", layout="plain"))
-        clone, c = apply_compile(q, CompileConfig(persistent_cache=False, block_regions=False))
+        clone, c = apply_compile(q, CompileConfig(persistent_cache=False, block_regions=regions))
         out["graphs_off_reason"] = c.stats.graphs_off_reason
         cap = Capture(c.runner.compiled, sync_inside=variant == "forced-failure")
         c.runner.compiled = cap
@@ -111,12 +117,16 @@ def child(variant: str) -> dict:
             clone.get_all_wrappers(WrappersMP.APPLY_MODEL)
         calls = []
         outs = []
+
+        def call():
+            return WrapperExecutor.new_class_executor(bm._apply_model, bm, wr).execute(
+                x, torch.tensor([0.7], device="cuda"), transformer_options={}, **kw)
+
         for i in range(6):
             graphs_before = counters["stats"]["unique_graphs"]
             t0 = time.perf_counter()
             try:
-                o = WrapperExecutor.new_class_executor(bm._apply_model, bm, wr).execute(
-                    x, torch.tensor([0.7], device="cuda"), transformer_options={}, **kw)
+                o = call()
                 torch.cuda.synchronize()
                 outs.append(o.float())
                 err = None
@@ -131,6 +141,19 @@ def child(variant: str) -> dict:
         if len(outs) > 1:
             out["replays_equal_uncaptured"] = [bool(torch.equal(o, outs[0])) for o in outs[1:]]
             out["max_rel_diff_vs_uncaptured"] = max(float((o - outs[0]).norm() / outs[0].norm()) for o in outs[1:])
+        if cap.graph is not None:  # replayed vs uncaptured compiled calls, alternating, ms per call (median of 20)
+            import statistics
+            ms = {"replayed": [], "uncaptured": []}
+            for _ in range(20):
+                for name, bypass in (("replayed", False), ("uncaptured", True)):
+                    cap.bypass = bypass
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    call()
+                    torch.cuda.synchronize()
+                    ms[name].append((time.perf_counter() - t0) * 1e3)
+            cap.bypass = False
+            out["ms_per_call_median"] = {k: round(statistics.median(v), 3) for k, v in ms.items()}
         out.update(c.stats.call_timings())
     return out
 
@@ -140,12 +163,13 @@ def main() -> int:
     ap.add_argument("--child")
     ap.add_argument("--out", default=".")
     ap.add_argument("--timeout", type=float, default=150)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
     a = ap.parse_args()
     if a.child:
         print("RESULT " + json.dumps(child(a.child)), flush=True)
         return 0
     results = []
-    for v in VARIANTS:
+    for v in a.variants.split(","):
         try:
             p = subprocess.run([sys.executable, __file__, "--child", v], capture_output=True, text=True,
                                timeout=a.timeout)
@@ -160,7 +184,8 @@ def main() -> int:
         print("PROBE", json.dumps(r), flush=True)
         results.append(r)
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "nvidia-h200-probe-graph-capture.json").write_text(json.dumps(
+    name = "graph-capture" if a.variants == ",".join(VARIANTS) else "graph-capture-" + a.variants.replace(",", "-")
+    (Path(a.out) / f"nvidia-h200-probe-{name}.json").write_text(json.dumps(
         {"command": "python3 bench/probes/graph_capture.py " + " ".join(sys.argv[1:]), "results": results},
         indent=2) + "\n")
     return 0
