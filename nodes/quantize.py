@@ -33,13 +33,19 @@ class QuantizeFP8(io.ComfyNode):
                                          "(one kernel instead of a reduction that reads the activations twice): the "
                                          "same numbers up to the last bit of a few values, faster on the GPU. "
                                          "Applies with granularity per_row and layout plain; otherwise the text "
-                                         "below says it is kept separate, and why."),
+                                         "below says it is kept separate, and why. FLUX.1 and Chroma."),
+                io.Boolean.Input("fuse_silu_gate", default=True, optional=True,
+                                 tooltip="FLUX.2's MLPs: compute the SiLU gate (SiLU of one half times the other) and "
+                                         "the FP8 quantization of its output in one pass, as fuse_gelu does for GELU "
+                                         "(same numbers up to the last bit of a few values). Applies with "
+                                         "granularity per_row and layout plain; otherwise the text below says why."),
             ],
             outputs=[io.Model.Output(tooltip="The model with FP8 Linears; the input model is unchanged.")],
         )
 
     @classmethod
-    def execute(cls, model, granularity, scope, layout=DEFAULT_LAYOUT, fuse_gelu=True) -> io.NodeOutput:
+    def execute(cls, model, granularity, scope, layout=DEFAULT_LAYOUT, fuse_gelu=True,
+                fuse_silu_gate=True) -> io.NodeOutput:
         clone, report = apply_fp8(model, Fp8Config(granularity=granularity, scope=scope, layout=layout,
-                                                   fuse_gelu=fuse_gelu))
+                                                   fuse_gelu=fuse_gelu, fuse_silu_gate=fuse_silu_gate))
         return io.NodeOutput(clone, ui=ui.PreviewText(report.summary()))

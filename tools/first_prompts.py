@@ -56,6 +56,11 @@ CONFIGS = {
                                                      "fuse_gelu": False}),
                       ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
                                                  "max_shapes": 4, "persistent_cache": True, "block_regions": True})],
+    # FLUX.2: the default with the SiLU-gated MLPs' gate kept apart from its FP8 quantization (inductor's reduction)
+    "silu-separate": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain",
+                                                     "fuse_silu_gate": False}),
+                      ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
+                                                 "max_shapes": 4, "persistent_cache": True, "block_regions": True})],
     # the default with ComfyUI's single-block forward (linear2's concatenated input written before the fused kernel)
     "single-concat": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
                       ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",

@@ -12,7 +12,7 @@ import logging
 import torch
 
 from ..models.loaded import foreign_graph_compilers, require_compatible, resident
-from ..quant.linear import takes_gelu_pair
+from ..quant.linear import takes_pair
 from .config import CompileConfig
 from . import single_block
 from .compiled import CompiledFlux
@@ -107,12 +107,13 @@ def model_layout(model) -> str:
 
 def _say_single_blocks_off(compiled: CompiledFlux, model, dm, node: str) -> None:
     """Where the config asks for FluxAccel's single-block forward (single_block.py) and Quantize FP8 fused the single
-    blocks' GELU into linear2, but the forward cannot run: say why (the model's stats, the node's text, the log)."""
+    blocks' MLP activation into linear2, but the forward cannot run: say why (the model's stats, the node's text, the
+    log)."""
     blocks, cfg = getattr(dm, "single_blocks", None), compiled.cfg
     if not (cfg.block_regions and cfg.single_blocks == "fluxaccel" and blocks):
         return
     linear2 = model.object_patches.get("diffusion_model.single_blocks.0.linear2")
-    if linear2 is None or not takes_gelu_pair(linear2, getattr(blocks[0], "hidden_size", -1)):
+    if linear2 is None or not takes_pair(linear2, getattr(blocks[0], "hidden_size", -1)):
         return
     why = single_block.known(type(blocks[0]))
     if why:

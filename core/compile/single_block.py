@@ -1,16 +1,17 @@
 """FluxAccel's forward of a FLUX single block: ComfyUI's, without the concatenation written before linear2.
 
-ComfyUI's SingleStreamBlock ends with `linear2(torch.cat((attn, mlp_act(mlp)), 2))`. With Quantize FP8's fused GELU
-(quant/gelu_fusion.py) linear2 applies GELU and quantizes its input row by row in one kernel, but the concatenation
-is still written out first (FLUX.1-dev 1024²: 4608 rows of 15,360 values per block, 38 blocks). Here linear2 reads
-the attention output and the MLP stream where they are (quant/act_quant.py's two-input kernel): the same numbers,
-one full read and write of the row fewer.
+ComfyUI's SingleStreamBlock ends with `linear2(torch.cat((attn, mlp_act(mlp)), 2))`. With Quantize FP8's fused
+activation (quant/act_fusion.py: GELU, or FLUX.2's SiLU gate) linear2 applies it and quantizes its input row by row in
+one kernel, but the concatenation is still written out first (FLUX.1-dev 1024²: 4608 rows of 15,360 values per block,
+38 blocks; FLUX.2 [dev]: 24,576 + 18,432 values, 48 blocks). Here linear2 reads the attention output and the MLP
+stream where they are (quant/act_quant.py's two-input kernels): the same numbers, one full read and write of the row
+fewer.
 
 The forward below is ComfyUI's, line for line but for that call, so it runs only where:
   * the block's class has a forward whose source is one FluxAccel read (KNOWN, by its SHA-256; another ComfyUI
     keeps its own forward, and the Compile node says so), and the functions it calls come from that class's module;
-  * its linear2 is a plain-layout FP8 Linear with dynamic scales and the fused GELU starting at the attention
-    output's end (quant/linear.py takes_gelu_pair) and its mlp_act is the Identity put in GELU's place;
+  * its linear2 is a plain-layout FP8 Linear with dynamic scales and the fused activation starting at the attention
+    output's end (quant/linear.py takes_pair) and its mlp_act is the Identity put in the activation's place;
   * the Compile node's `single_blocks` is "fluxaccel" and the blocks run as compiled regions (block_regions.py).
 Anything else runs the block's own forward.
 """
@@ -22,7 +23,7 @@ import textwrap
 
 import torch
 
-from ..quant.linear import takes_gelu_pair
+from ..quant.linear import takes_pair
 
 # SHA-256 of SingleStreamBlock.forward's source (dedented) -> where it was read
 KNOWN = {"0a79a7f4b0ed0598aaa39388484046d2eca88c48e67e5f6917dab984f3b551b6": "ComfyUI 0.33.0"}
@@ -64,14 +65,14 @@ def cache_tag(dm: torch.nn.Module, single_blocks: str) -> str:
 
 def ready(block: torch.nn.Module) -> bool:
     """Whether this block (of a known class) can run forward(): linear2 takes the attention output and the MLP
-    stream apart, and the GELU it applies is no longer applied before it."""
+    stream apart, and the activation it applies is no longer applied before it."""
     return (isinstance(block.mlp_act, torch.nn.Identity) and not getattr(block, "yak_mlp", False)
-            and takes_gelu_pair(block.linear2, block.hidden_size))
+            and takes_pair(block.linear2, block.hidden_size))
 
 
 def forward(block, x, vec, pe, attn_mask=None, modulation_dims=None, transformer_options={}):  # noqa: B006 (ComfyUI's)
     """ComfyUI 0.33.0's SingleStreamBlock.forward with `linear2(torch.cat((attn, mlp), 2))` as one FP8 call on the
-    two parts (mlp_act is the Identity: linear2 applies GELU)."""
+    two parts (mlp_act is the Identity: linear2 applies the activation)."""
     apply_mod, attention = _FUNCTIONS["apply_mod"], _FUNCTIONS["attention"]
     mod = block.modulation(vec)[0] if block.modulation else vec
     patches = transformer_options.get("patches", {})

@@ -20,7 +20,8 @@ from ..env import require_torchao
 from ..errors import FluxAccelError
 from ..models.profiles import FLUX1, Profile
 from ..upstream.torchao_internals import float8_primitives
-from .act_quant import UNAVAILABLE as GELU_OP_UNAVAILABLE, gelu_pair_rowwise_fp8, gelu_rowwise_fp8
+from . import act_quant
+from .act_quant import SILU_UNAVAILABLE as SILU_GATE_OP_UNAVAILABLE, UNAVAILABLE as GELU_OP_UNAVAILABLE
 
 Granularity = Literal["per_tensor", "per_row"]
 Scope = Literal["blocks", "blocks+modulation", "all_linear"]
@@ -52,9 +53,11 @@ class Fp8Config:
     granularity: Granularity = "per_row"
     scope: Scope = "blocks"
     layout: Layout = DEFAULT_LAYOUT
-    # the MLP's GELU moved into the next FP8 Linear, GELU and row-wise quantization in one pass (gelu_fusion.py);
-    # per_row scales and the plain layout only (gelu_fusion_unavailable says why not)
+    # the MLP's GELU moved into the next FP8 Linear, GELU and row-wise quantization in one pass (act_fusion.py);
+    # per_row scales and the plain layout only (fusion_unavailable says why not)
     fuse_gelu: bool = True
+    # the same for FLUX.2's SiLU-gated MLPs: SiLU(m1) * m2 and the quantization in one pass (act_fusion.py)
+    fuse_silu_gate: bool = True
 
     def __post_init__(self):
         if self.granularity not in GRANULARITIES:
@@ -66,7 +69,12 @@ class Fp8Config:
 
     def key(self) -> list[str]:
         """What identifies this config in a model's options (and in compile-cache keys)."""
-        return self.weights_key() + (["gelu-fused"] if self.fuse_gelu and not self.gelu_fusion_unavailable() else [])
+        return self.weights_key() + [f"{act.replace('_', '-')}-fused" for act in self.fused_activations()]
+
+    def fused_activations(self) -> tuple[str, ...]:
+        """The activations ("gelu", "silu_gate") this config asks to fuse and can."""
+        asked = (("gelu", self.fuse_gelu), ("silu_gate", self.fuse_silu_gate))
+        return tuple(act for act, on in asked if on and not self.fusion_unavailable(act))
 
     def weights_key(self) -> list[str]:
         """What decides the FP8 weights themselves (the FP8 weights cache's key)."""
@@ -74,11 +82,16 @@ class Fp8Config:
 
     def gelu_fusion_unavailable(self) -> str:
         """Why this config cannot fuse GELU into the FP8 quantization ('' where it can)."""
+        return self.fusion_unavailable("gelu")
+
+    def fusion_unavailable(self, act: str) -> str:
+        """Why this config cannot fuse the activation `act` ("gelu", "silu_gate") into the FP8 quantization ('' where
+        it can)."""
         if self.granularity != "per_row":
             return "per_tensor activation scales need the whole tensor's absmax before any row is quantized"
         if self.layout != "plain":
             return "the subclass layout quantizes inside torchao's Float8Tensor"
-        return GELU_OP_UNAVAILABLE
+        return GELU_OP_UNAVAILABLE if act == "gelu" else SILU_GATE_OP_UNAVAILABLE
 
     def torchao_config(self):
         """The torchao config; set_inductor_config=False keeps process-wide inductor settings untouched, and the
@@ -193,19 +206,25 @@ def _scaled_gemm(ao, x_data, x_scale, w_data, w_scale, bias, mm_config, x):
     return out.reshape(*x.shape[:-1], w_data.shape[0])
 
 
-def fp8_linear_gelu(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                    act_kwargs, mm_config, gelu_from: int) -> torch.Tensor:
-    """fp8_linear of x with GELU(tanh) applied to its columns from `gelu_from` on, the GELU and the row-wise
-    activation quantization done in one pass (act_quant.py); per-row activation scales only."""
+# the fused activations (act_fusion.py): one-pass quantization of one input, and of a row read from two
+_FUSED_QUANT = {"gelu": (act_quant.gelu_rowwise_fp8, act_quant.gelu_pair_rowwise_fp8),
+                "silu_gate": (act_quant.silu_gate_rowwise_fp8, act_quant.silu_gate_pair_rowwise_fp8)}
+
+
+def fp8_linear_act(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                   act_kwargs, mm_config, act: str, act_from: int) -> torch.Tensor:
+    """fp8_linear of x with the activation `act` (GELU(tanh), or FLUX.2's SiLU gate) applied to its columns from
+    `act_from` on, the activation and the row-wise activation quantization done in one pass (act_quant.py); per-row
+    activation scales only."""
     ao = _AO or float8_ops()
-    x_data, x_scale = gelu_rowwise_fp8(x, gelu_from, act_kwargs.hp_value_lb, act_kwargs.hp_value_ub)
+    x_data, x_scale = _FUSED_QUANT[act][0](x, act_from, act_kwargs.hp_value_lb, act_kwargs.hp_value_ub)
     return _scaled_gemm(ao, x_data, x_scale, w_data, w_scale, bias, mm_config, x)
 
 
-def fp8_linear_gelu_pair(a: torch.Tensor, m: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
-                         bias: torch.Tensor | None, act_kwargs, mm_config) -> torch.Tensor:
-    """fp8_linear_gelu of torch.cat((a, m), -1) with GELU from a's end on, the row read from a and m where they are
-    (the concatenation is never written); per-row activation scales only."""
+def fp8_linear_act_pair(a: torch.Tensor, m: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
+                        bias: torch.Tensor | None, act_kwargs, mm_config, act: str) -> torch.Tensor:
+    """fp8_linear_act of torch.cat((a, m), -1) with the activation from a's end on, the row read from a and m where
+    they are (the concatenation is never written); per-row activation scales only."""
     ao = _AO or float8_ops()
-    x_data, x_scale = gelu_pair_rowwise_fp8(a, m, act_kwargs.hp_value_lb, act_kwargs.hp_value_ub)
+    x_data, x_scale = _FUSED_QUANT[act][1](a, m, act_kwargs.hp_value_lb, act_kwargs.hp_value_ub)
     return _scaled_gemm(ao, x_data, x_scale, w_data, w_scale, bias, mm_config, a)

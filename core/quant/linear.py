@@ -12,8 +12,8 @@ from ..env import require_torchao
 from ..errors import FluxAccelError
 from ..upstream import Unavailable, say, torch_internals
 from ..upstream.torchao_internals import map_float8_data
-from .act_quant import gelu_columns
-from .fp8 import Fp8Config, float8_ops, fp8_linear, fp8_linear_gelu, fp8_linear_gelu_pair, is_fp8_weight
+from .act_quant import activation_columns
+from .fp8 import Fp8Config, float8_ops, fp8_linear, fp8_linear_act, fp8_linear_act_pair, is_fp8_weight
 
 
 class _Fp8DeviceMove:
@@ -61,10 +61,10 @@ class _Fp8DeviceMove:
     set_weight = convert_weight
 
 
-def takes_gelu_pair(m: torch.nn.Module, first: int) -> bool:
-    """Whether m is a plain-layout FP8 Linear with dynamic scales whose fused GELU starts at column `first`, i.e.
-    can run fp8_forward_pair on (a, m) with `first` columns in a."""
-    return isinstance(m, _Fp8Plain) and m.gelu_from == first
+def takes_pair(m: torch.nn.Module, first: int) -> bool:
+    """Whether m is a plain-layout FP8 Linear with dynamic scales whose fused activation starts at column `first`,
+    i.e. can run fp8_forward_pair on (a, m) with `first` columns in a."""
+    return isinstance(m, _Fp8Plain) and m.fused_act is not None and m.act_from == first
 
 
 def is_fp8_linear(m: torch.nn.Module) -> bool:
@@ -77,39 +77,43 @@ class _Fp8Plain(_Fp8DeviceMove):
     runs fp8_linear with the torchao kwargs kept from quantization. ComfyUI's per-call cast and weight-function
     paths are bypassed (the FP8 GEMM returns the activation dtype itself; weight patches are refused)."""
 
-    gelu_from = None  # gelu_fusion.py: the first input column that is a GELU's output, the GELU done here
+    # act_fusion.py: the MLP activation done here ("gelu", or FLUX.2's "silu_gate") and the first input column it
+    # applies to; the activation and the row-wise quantization run in one pass (dynamic scales)
+    fused_act = None
+    act_from = None
 
     def forward(self, x, *args, **kwargs):
         return self.fp8_forward(x)
 
     def fp8_forward(self, x, act_scale=None):
-        """The FP8 GEMM of x, with each call's activation scales or a static one (static_scales.py); where a GELU was
-        fused into this Linear (gelu_from), GELU and the row-wise quantization in one pass (dynamic scales)."""
+        """The FP8 GEMM of x, with each call's activation scales or a static one (static_scales.py); where an MLP
+        activation was fused into this Linear (fused_act), the activation and the row-wise quantization in one pass
+        (dynamic scales)."""
         if self.weight_function or self.bias_function:
             self.convert_weight(self.weight)  # a lowvram/LoRA weight function reached an FP8 Linear: refuse
-        if self.gelu_from is not None:
+        if self.fused_act is not None:
             if act_scale is None:
-                return fp8_linear_gelu(x, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs,
-                                       self.fp8_mm_config, self.gelu_from)
+                return fp8_linear_act(x, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs,
+                                      self.fp8_mm_config, self.fused_act, self.act_from)
             x = self.activation_input(x)
         return fp8_linear(x, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs, self.fp8_mm_config,
                           act_scale)
 
     def fp8_forward_pair(self, a, m):
-        """forward(torch.cat((a, m), -1)) for a Linear whose fused GELU starts at a's end (gelu_from), without the
-        concatenation written: GELU, the row-wise quantization and the row's assembly in one pass
+        """forward(torch.cat((a, m), -1)) for a Linear whose fused activation starts at a's end (act_from), without
+        the concatenation written: the activation, the row-wise quantization and the row's assembly in one pass
         (compile/single_block.py)."""
-        if self.gelu_from != a.shape[-1]:
-            raise FluxAccelError(f"fp8_forward_pair: this Linear's fused GELU starts at column {self.gelu_from}, "
+        if self.fused_act is None or self.act_from != a.shape[-1]:
+            raise FluxAccelError(f"fp8_forward_pair: this Linear's fused activation starts at column {self.act_from}, "
                                  f"not at the first input's end ({a.shape[-1]})")
         if self.weight_function or self.bias_function:
             self.convert_weight(self.weight)  # a lowvram/LoRA weight function reached an FP8 Linear: refuse
-        return fp8_linear_gelu_pair(a, m, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs,
-                                    self.fp8_mm_config)
+        return fp8_linear_act_pair(a, m, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs,
+                                   self.fp8_mm_config, self.fused_act)
 
     def activation_input(self, x):
-        """What this Linear quantizes of its input x: x itself, or x with the fused GELU applied (gelu_from)."""
-        return x if self.gelu_from is None else gelu_columns(x, self.gelu_from)
+        """What this Linear quantizes of its input x: x itself, or x with the fused activation applied."""
+        return x if self.fused_act is None else activation_columns(x, self.fused_act, self.act_from)
 
 
 _FP8_CLASSES: dict[tuple[type, str], type] = {}

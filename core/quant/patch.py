@@ -26,7 +26,7 @@ from ..errors import FluxAccelError
 from ..models.flux import (on_load_callback_type, partial_load_guard, profile, require_bf16_weights, require_flux,
                            require_fully_loaded)
 from .fp8 import DEFAULT_LAYOUT, Fp8Config, linear_weight_bytes, select_linears
-from . import gelu_fusion, weights_cache
+from . import act_fusion, weights_cache
 from .linear import detached_copy, is_fp8_linear, plain_from_parts, quantize_linear
 
 log = logging.getLogger("fluxaccel.fp8")
@@ -52,7 +52,8 @@ class Fp8Report:
     requantized: dict[str, int] = field(default_factory=dict)
     dequantized: list[str] = field(default_factory=list)
     weights_cache: str = ""  # loaded from / saved to the FP8 weights cache, or why not cached
-    gelu: str = ""  # the MLP GELUs fused into the FP8 quantization, or why not (gelu_fusion.py)
+    gelu: str = ""  # the MLP GELUs fused into the FP8 quantization, or why not (act_fusion.py)
+    silu_gate: str = ""  # the same for FLUX.2's SiLU-gated MLPs (only where the model has them)
     fp8_home: str = ""  # where the FP8 copies wait for ComfyUI's load (GPU or host RAM)
 
     @property
@@ -73,8 +74,7 @@ class Fp8Report:
             + (f"(saved {self.bytes_saved / gib:.3f} GiB, {self.bytes_saved} bytes)" if self.bytes_saved >= 0 else
                f"(+{-self.bytes_saved / gib:.3f} GiB: the checkpoint-quantized layers outside the scope are bf16 now)"),
         ]
-        if self.gelu:
-            lines.append(self.gelu)
+        lines += [line for line in (self.gelu, self.silu_gate) if line]
         if self.weights_cache:
             lines.append(f"FP8 weights cache: {self.weights_cache}")
         if self.fp8_home:
@@ -192,7 +192,7 @@ class Fp8State:
     keys: tuple[str, ...]  # the object-patch keys of the quantized (and dequantized) Linears
     report: Fp8Report
     merged_patches: "_Kept"  # weight patches merged into the FP8 weights, restored by remove_fp8
-    gelu_keys: tuple[str, ...] = ()  # the object-patch keys of the GELUs fused into FP8 Linears (Identity there)
+    fused_keys: tuple[str, ...] = ()  # the object-patch keys of the activations fused into FP8 Linears (Identity)
 
 
 def fp8_state(model) -> Fp8State | None:
@@ -360,33 +360,48 @@ def _dequantize_one(model, clone, lin, name: str, device, compute_dtype, report:
     return key
 
 
-def _fuse_gelu(model, clone, dm, cfg: Fp8Config, report: Fp8Report) -> list[str]:
-    """The MLP GELUs whose output an FP8 Linear of this clone takes, moved into that Linear (an Identity patched in
-    their place): their object-patch keys. The report says how many, and why any GELU(tanh) was kept."""
-    if not cfg.fuse_gelu:
-        report.gelu = "MLP GELU kept separate (fuse_gelu off)"
-        return []
-    why = cfg.gelu_fusion_unavailable()
+def _fuse_activations(model, clone, dm, cfg: Fp8Config, report: Fp8Report) -> list[str]:
+    """The MLP activations (GELU, FLUX.2's SiLU gate) whose output an FP8 Linear of this clone takes, moved into that
+    Linear (an Identity patched in their place): their object-patch keys. The report says how many, and why any was
+    kept."""
+    sites, kept = act_fusion.find_sites(dm, lambda name, m: model.object_patches_backup.get(f"diffusion_model.{name}",
+                                                                                            m))
+    keys = []
+    for act, option in (("gelu", "fuse_gelu"), ("silu_gate", "fuse_silu_gate")):
+        mine = [site for site in sites if site.act == act]
+        kept_here = {name: why for name, (kind, why) in kept.items() if kind == act}
+        line, fused = _fuse_sites(clone, mine, kept_here, cfg, act, option)
+        keys += fused
+        if act == "gelu":
+            report.gelu = line
+        elif mine or kept_here:  # FLUX.2's line; FLUX.1's report stays as it was
+            report.silu_gate = line
+    return keys
+
+
+def _fuse_sites(clone, sites, kept: dict[str, str], cfg: Fp8Config, act: str, option: str) -> tuple[str, list[str]]:
+    """(the report's line, the object-patch keys) for fusing the sites of one activation kind."""
+    name = act_fusion.NAMES[act]
+    if not getattr(cfg, option):
+        return f"MLP {name} kept separate ({option} off)", []
+    why = cfg.fusion_unavailable(act)
     if why:
-        report.gelu = f"MLP GELU kept separate: {why}"
-        return []
-    sites, kept = gelu_fusion.find_sites(dm, lambda name, m: model.object_patches_backup.get(f"diffusion_model.{name}",
-                                                                                             m))
+        return f"MLP {name} kept separate: {why}", []
     keys = []
     for site in sites:
         q = clone.object_patches.get(f"diffusion_model.{site.linear}")
         if q is None or not is_fp8_linear(q) or q.fp8_act_kwargs.float8_dtype != torch.float8_e4m3fn:
-            kept[site.gelu] = "the Linear after it is not quantized to float8_e4m3fn"
+            kept[site.module] = "the Linear after it is not quantized to float8_e4m3fn"
             continue
-        q.gelu_from = site.gelu_from
-        keys.append(f"diffusion_model.{site.gelu}")
+        q.fused_act, q.act_from = act, site.act_from
+        keys.append(f"diffusion_model.{site.module}")
         clone.add_object_patch(keys[-1], torch.nn.Identity())
-    report.gelu = (f"MLP GELU fused into the FP8 quantization of the next Linear (one pass) at {len(keys)} of "
-                   f"{len(keys) + len(kept)} GELUs" if keys or kept else "no GELU(tanh) MLP in this model to fuse")
+    what = "GELU(tanh)" if act == "gelu" else "SiLU-gated"
+    line = (f"MLP {name} fused into the FP8 quantization of the next Linear (one pass) at {len(keys)} of "
+            f"{len(keys) + len(kept)} {name}s" if keys or kept else f"no {what} MLP in this model to fuse")
     if kept:
-        reasons = sorted(set(kept.values()))
-        report.gelu += f"; kept separate ({len(kept)}): {'; '.join(reasons)}"
-    return keys
+        line += f"; kept separate ({len(kept)}): {'; '.join(sorted(set(kept.values())))}"
+    return line, keys
 
 
 def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
@@ -425,7 +440,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
             keys.append(_dequantize_one(model, clone, originals[name], name, device, compute_dtype, report, merged))
     if not report.quantized:
         raise FluxAccelError(f"{node}: no Linear layer matched scope '{cfg.scope}'; choose scope all_linear.")
-    gelu_keys = _fuse_gelu(model, clone, dm, cfg, report)
+    fused_keys = _fuse_activations(model, clone, dm, cfg, report)
     # A fresh patches_uuid makes ComfyUI unpatch/move the model when it switches between this clone and
     # another one, so the GPU holds only the weights of the clone being run.
     clone.patches_uuid = uuid.uuid4()
@@ -434,7 +449,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     clone.add_callback_with_key(on_load_callback_type(), FP8_KEY, partial_load_guard(node))
     fp8_keys = [f"diffusion_model.{n}" for n in report.quantized]  # the dequantized bf16 ones can take patches
     clone.add_wrapper_with_key(WrappersMP.PREPARE_SAMPLING, FP8_KEY, _refuse_late_weight_patches(fp8_keys, node))
-    clone.set_attachments(FP8_KEY, Fp8State(cfg, tuple(keys), report, merged, tuple(gelu_keys)))
+    clone.set_attachments(FP8_KEY, Fp8State(cfg, tuple(keys), report, merged, tuple(fused_keys)))
     log.info("%s", report.summary())
     return clone, report
 
@@ -445,7 +460,7 @@ def remove_fp8(model):
     if prev is None:
         return model
     clone = model.clone()
-    for key in (*prev.keys, *prev.gelu_keys):
+    for key in (*prev.keys, *prev.fused_keys):
         clone.object_patches.pop(key, None)
     for key, patches in prev.merged_patches.items():
         clone.patches[key] = list(patches)

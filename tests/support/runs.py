@@ -56,10 +56,11 @@ def sample(model, seed=0, steps=2, cfg=1.0, sampler="euler", hw=16, text_len=16,
     return comfy.sample.sample(model, noise, steps, cfg, sampler, "simple", pos, neg, latent, disable_pbar=True, seed=seed)
 
 
-def denoise_once(model, hw=16, text_len=16, refs=()):
+def denoise_once(model, hw=16, text_len=16, refs=(), transformer_options=None):
     """One apply_model call (the denoiser forward) through ComfyUI's BaseModel, compile wrapper included; the
     conditioning's widths and the latent's channels are read off the model (any FLUX architecture, tiny or full
-    width). refs: latent (H, W) of reference latents to pass (FLUX.1 Kontext, FLUX.2 editing)."""
+    width). refs: latent (H, W) of reference latents to pass (FLUX.1 Kontext, FLUX.2 editing); transformer_options:
+    the call's (e.g. a block-region table)."""
     import comfy.model_management as mm
     from comfy.patcher_extension import WrapperExecutor, WrappersMP, get_all_wrappers
 
@@ -78,7 +79,8 @@ def denoise_once(model, hw=16, text_len=16, refs=()):
     kwargs = {k: v.cond if hasattr(v, "cond") else v for k, v in conds.items()}
     executor = WrapperExecutor.new_class_executor(bm._apply_model, bm, get_all_wrappers(
         WrappersMP.APPLY_MODEL, model.model_options, is_model_options=True) + model.get_all_wrappers(WrappersMP.APPLY_MODEL))
-    return executor.execute(x, torch.tensor([0.7]), transformer_options={}, **kwargs).float()
+    return executor.execute(x, torch.tensor([0.7]), transformer_options=dict(transformer_options or {}),
+                            **kwargs).float()
 
 
 # The start of a script run in a new Python process (tests of what a restarted ComfyUI reuses): a real ComfyUI

@@ -120,6 +120,24 @@ def test_through_the_regions_it_equals_comfyuis_forward_bit_for_bit(cpu_fp8, tin
 
 
 @pytest.mark.skipif(not READ, reason="the forward FluxAccel read is ComfyUI 0.33.0's")
+def test_flux2s_single_blocks_run_it_with_the_silu_gate(cpu_fp8, pair_calls):
+    """FLUX.2's single blocks (the same class, shared modulation, a SiLU-gated MLP stream twice the gated width):
+    with Quantize FP8's fused SiLU gate FluxAccel's forward runs in each of them, linear2 reads the MLP stream whole,
+    and the output equals ComfyUI's forward's exactly."""
+    from support.models import build_flux
+    from support.shapes import TINY_FLUX2
+
+    fused, _ = apply_fp8(build_flux(TINY_FLUX2, seed=0), Fp8Config("per_row"))
+    dm = _loaded(fused)
+    ours = denoise_once(fused, hw=8, transformer_options=BlockRegions(dm, "fluxaccel").transformer_options())
+    n, block = len(dm.single_blocks), dm.single_blocks[0]
+    assert len(pair_calls) == n and {c[-1] for c in pair_calls} == {block.mlp_hidden_dim_first} and \
+        block.mlp_hidden_dim_first == 2 * block.mlp_hidden_dim
+    comfy = denoise_once(fused, hw=8, transformer_options=BlockRegions(dm, "comfyui").transformer_options())
+    assert len(pair_calls) == n and torch.equal(ours, comfy)
+
+
+@pytest.mark.skipif(not READ, reason="the forward FluxAccel read is ComfyUI 0.33.0's")
 @pytest.mark.parametrize("fp8", [None, Fp8Config("per_row", fuse_gelu=False), "static"])
 def test_it_runs_only_where_linear2_takes_the_two_parts(cpu_fp8, tiny_flux, pair_calls, fp8):
     """bf16, FP8 without the fused GELU, and a linear2 run with a static activation scale: the block's own forward."""

@@ -79,6 +79,42 @@ def test_the_pair_op_is_the_one_input_op_on_the_concatenated_row(lb, ub):
     assert hasattr(torch.ops.fluxaccel, "gelu_pair_rowwise_fp8")
 
 
+def _silu_gate(x: torch.Tensor, gate_from: int) -> torch.Tensor:
+    """ComfyUI's SiLUActivation on x's columns from gate_from on: gate_fn(x1) * x2 (eager bf16)."""
+    m1, m2 = x[:, gate_from:].chunk(2, dim=-1)
+    return torch.cat([x[:, :gate_from], torch.nn.SiLU()(m1) * m2], 1)
+
+
+@pytest.mark.parametrize("gate_from", [0, 64])
+def test_silu_gate_reference_is_torchao_row_wise_fp8_of_comfyuis_gate(gate_from):
+    x = _rows(6, n=gate_from + 2 * 160)
+    q, scale = act_quant.silu_gate_reference(x, gate_from)
+    tq, tscale = _torchao(_silu_gate(x, gate_from))
+    assert q.shape == (12, gate_from + 160) and torch.equal(scale, tscale) and torch.equal(q.float(), tq.float())
+
+
+@pytest.mark.parametrize("lb, ub", [(None, None), (0.5, 2.0)])
+def test_the_silu_gate_ops_eager_and_compiled_equal_the_reference(lb, ub):
+    """The one-input op on [a | m1 | m2] and the pair op on (a, [m1 | m2]) (m a strided view, as FLUX.2's single
+    block's MLP stream is): the reference's values and scales, eager and compiled, with torchao's bounds too."""
+    x = _rows(7, m=12, n=96 + 2 * 160 + 32)
+    a, m = x[:, :96], x[:, 96:416]  # m: a view with row stride 448
+    rq, rs = act_quant.silu_gate_reference(torch.cat((a, m), -1), 96, lb, ub)
+    for q, s in (act_quant.silu_gate_rowwise_fp8(torch.cat((a, m), -1), 96, lb, ub),
+                 act_quant.silu_gate_pair_rowwise_fp8(a, m, lb, ub)):
+        assert q.shape == (12, 256) and torch.equal(q.float(), rq.float()) and torch.equal(s, rs)
+    torch._dynamo.reset()
+    opts = {"emulate_precision_casts": True}
+    cq, cs = torch.compile(lambda u, v: act_quant.silu_gate_pair_rowwise_fp8(u, v, lb, ub), dynamic=False,
+                           options=opts)(a.reshape(3, 4, 96), m.reshape(3, 4, 320))
+    assert torch.equal(cq.float(), rq.float()) and torch.equal(cs, rs)
+    dq, ds = torch.compile(lambda t: act_quant.silu_gate_rowwise_fp8(t, 0, lb, ub), dynamic=False, options=opts)(m)
+    eq, es = act_quant.silu_gate_reference(m, 0, lb, ub)
+    assert torch.equal(dq.float(), eq.float()) and torch.equal(ds, es)
+    assert hasattr(torch.ops.fluxaccel, "silu_gate_rowwise_fp8") and hasattr(torch.ops.fluxaccel,
+                                                                             "silu_gate_pair_rowwise_fp8")
+
+
 _INTERPRETED = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
@@ -106,14 +142,37 @@ act_quant._kernel("gelu_pair_rowwise_fp8_kernel")[(16,)](a, m, v, s, 100, 200, a
                                                          0.5, 3.0, HAS_LB=True, HAS_UB=True, BLOCK_A=128, BLOCK_M=256)
 out["pair"] = (float(((s - rs) / rs).abs().max()), float(((v - rv).abs() / rv.abs().clamp(min=1)).max()),
                float((v - rv).abs().max()))
+for gate_from in (0, 100):  # FLUX.2's SiLU gate: x = [x0 | m1 | m2], 100 columns each
+    _, rs = act_quant.silu_gate_reference(x, gate_from, 0.5, 3.0)
+    m1, m2 = x[:, gate_from:].chunk(2, dim=-1)
+    h = torch.cat([x[:, :gate_from], torch.nn.functional.silu(m1) * m2], 1)
+    rv = (h.float() / rs).clamp(-448, 448)
+    n = h.shape[1]
+    v, s = torch.empty(16, n), torch.empty_like(rs)
+    act_quant._kernel("silu_gate_rowwise_fp8_kernel")[(16,)](
+        x, v, s, n, (300 - gate_from) // 2, x.stride(0), v.stride(0), 0.5, 3.0, GATE_FROM=gate_from, HAS_LB=True,
+        HAS_UB=True, BLOCK=256)
+    out[f"silu {gate_from}"] = (float(((s - rs) / rs).abs().max()),
+                                float(((v - rv).abs() / rv.abs().clamp(min=1)).max()), float((v - rv).abs().max()))
+a, m = x[:, :100], x[:, 100:]  # the SiLU-gate pair kernel
+_, rs = act_quant.silu_gate_reference(x, 100)
+m1, m2 = m.chunk(2, dim=-1)
+rv = (torch.cat([a, torch.nn.functional.silu(m1) * m2], 1).float() / rs).clamp(-448, 448)
+v, s = torch.empty(16, 200), torch.empty_like(rs)
+act_quant._kernel("silu_gate_pair_rowwise_fp8_kernel")[(16,)](
+    a, m, v, s, 100, 100, a.stride(0), m.stride(0), v.stride(0), 0.0, 0.0, HAS_LB=False, HAS_UB=False, BLOCK_A=128,
+    BLOCK_H=128)
+out["silu pair"] = (float(((s - rs) / rs).abs().max()), float(((v - rv).abs() / rv.abs().clamp(min=1)).max()),
+                    float((v - rv).abs().max()))
 print(out)
 """
 
 
 def test_the_triton_kernel_in_tritons_interpreter_matches_the_reference(tmp_path):
-    """The GPU kernels run by Triton's CPU interpreter (its rows, columns, GELU from gelu_from on, reduction and
-    scaling; the pair kernel reading the row from two tensors, with absmax bounds), writing its values before the e4m3 cast (a float32 output): each row's scale and every value as the
-    reference's, up to the interpreter's bf16 casts, which truncate (the GPU's rounding and e4m3 cast are compared
+    """The GPU kernels run by Triton's CPU interpreter (rows, columns, GELU from gelu_from on, reduction and
+    scaling; the pair kernel reading the row from two tensors, with absmax bounds; FLUX.2's SiLU-gate kernels, one
+    input with a kept prefix and the pair), writing values before the e4m3 cast (a float32 output): each row's scale
+    and every value as the reference's, up to the interpreter's bf16 casts, which truncate (the GPU's rounding and e4m3 cast are compared
     with the reference on the GPU, in bench/probes/flux_blocks.py --fused)."""
     pytest.importorskip("triton")
     script = tmp_path / "interpreted.py"
@@ -123,10 +182,13 @@ def test_the_triton_kernel_in_tritons_interpreter_matches_the_reference(tmp_path
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = eval(done.stdout.strip().splitlines()[-1])  # noqa: S307  (our own script's printed dict)
+    assert set(result) == {0, 100, "pair", "silu 0", "silu 100", "silu pair"}
     for gelu_from, (scale_err, value_err, _) in result.items():
         # truncations of one bf16 step (2^-7 relative at most) each: the GELU value and the absmax, the scale; the
         # value divided by the scale adds its own (a wrong column, GELU or scale would be off by far more)
-        assert scale_err < 2 * 2 ** -7 and value_err < 3 * 2 ** -7, (gelu_from, result)
+        # the SiLU gate rounds twice (SiLU, then the product), so one truncation more in the absmax and the value
+        steps = 3 if str(gelu_from).startswith("silu") else 2
+        assert scale_err < steps * 2 ** -7 and value_err < (steps + 1) * 2 ** -7, (gelu_from, result)
 
 
 def test_imported_again_the_module_reuses_the_registered_operator():
@@ -139,6 +201,7 @@ def test_imported_again_the_module_reuses_the_registered_operator():
     spec.loader.exec_module(again)
     assert again.UNAVAILABLE == "" and again._OP is not None
     assert again.PAIR_UNAVAILABLE == "" and again._PAIR_OP is not None
+    assert again.SILU_UNAVAILABLE == again.SILU_PAIR_UNAVAILABLE == "" and again._SILU_PAIR_OP is not None
     x = _rows(4)
     assert torch.equal(again.gelu_rowwise_fp8(x, 0)[1], act_quant.gelu_rowwise_fp8(x, 0)[1])
 
@@ -148,6 +211,8 @@ def test_without_triton_the_operator_is_unavailable_with_the_reason(monkeypatch)
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
-    for name, body in ((act_quant.OP_NAME, act_quant._op_body), (act_quant.PAIR_OP_NAME, act_quant._pair_body)):
+    for name, body in ((act_quant.OP_NAME, act_quant._op_body), (act_quant.PAIR_OP_NAME, act_quant._pair_body),
+                       (act_quant.SILU_OP_NAME, act_quant._silu_body),
+                       (act_quant.SILU_PAIR_OP_NAME, act_quant._silu_pair_body)):
         op, why = act_quant._register(name, body)
         assert op is None and why == "Triton is not installed (the fused kernel is a Triton kernel)"

@@ -1,0 +1,106 @@
+"""Where a FLUX MLP's activation meets an FP8 Linear, and moving the activation into that Linear's quantization.
+
+A site is an activation module whose output goes, whole, into one FP8 Linear:
+  * GELU(tanh) (FLUX.1, Chroma): the double blocks' MLPs (`img_mlp` / `txt_mlp`: Linear, GELU, Linear) and the
+    single blocks' `mlp_act`, whose output ComfyUI concatenates after the attention output before `linear2`;
+  * FLUX.2's SiLU gate (ComfyUI's `SiLUActivation`: SiLU(m1) * m2 of the first Linear's output [m1 | m2]) in the
+    same two places.
+Fusing a site puts an Identity in the activation's place (an object patch of the clone, like the FP8 Linears
+themselves) and tells the FP8 Linear which activation it now applies and from which input column (`fused_act`,
+`act_from`): its forward then runs the activation and the row-wise quantization as one kernel (act_quant.py). For
+the SiLU gate the Linear then takes the first Linear's whole output, twice as wide as the gated row.
+
+Each site is fused only where its block's forward is the one read here: a double block calls its MLP as one module
+(`self.img_mlp(...)`), a single block applies the activation to the MLP stream and then runs `linear2(torch.cat((attn,
+mlp), 2))`, and a SiLU gate's forward is ComfyUI's. A forward written otherwise keeps its activation, and the report
+says so.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from .act_quant import MAX_ROW
+
+SINGLE_FORWARD = ("mlp = self.mlp_act(mlp)", "self.linear2(torch.cat((attn, mlp), 2))")
+SILU_GATE_FORWARD = ("x1, x2 = x.chunk(2, dim=-1)", "return self.gate_fn(x1) * x2")
+NAMES = {"gelu": "GELU", "silu_gate": "SiLU gate"}
+
+
+@dataclass(frozen=True)
+class ActSite:
+    module: str  # the activation module's name (diffusion-model relative)
+    linear: str  # the Linear taking its output
+    act_from: int  # the Linear's first input column that is the activation's output
+    act: str = "gelu"  # "gelu" or "silu_gate"
+
+
+def _activation(m) -> str | None:
+    """"gelu" for GELU(tanh), "silu_gate" for a SiLU gate whose forward is ComfyUI's, None for anything else."""
+    if isinstance(m, torch.nn.GELU) and m.approximate == "tanh":
+        return "gelu"
+    if isinstance(getattr(m, "gate_fn", None), torch.nn.SiLU) and all(
+            line in _forward_source(m) for line in SILU_GATE_FORWARD):
+        return "silu_gate"
+    return None
+
+
+def _forward_source(module: torch.nn.Module) -> str:
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def single_forward_known(block: torch.nn.Module) -> bool:
+    """Whether this single block's forward concatenates attention and the activation's output right before linear2,
+    as read."""
+    src = _forward_source(block)
+    return all(line in src for line in SINGLE_FORWARD)
+
+
+def mlp_called_whole(parent: torch.nn.Module, attr: str) -> bool:
+    """Whether the forward of the block holding an MLP calls it as one module (`self.img_mlp(...)`), so that its
+    activation runs between its two Linears and nowhere else."""
+    src = _forward_source(parent)
+    return f"self.{attr}(" in src and f"self.{attr}[" not in src
+
+
+def _mlp_site(dm, name: str, mlp, act: str) -> ActSite | str:
+    parent, _, attr = name.rpartition(".")
+    if not mlp_called_whole(dm.get_submodule(parent) if parent else dm, attr):
+        return "its block's forward does not call the MLP as one module"
+    return ActSite(f"{name}.1", f"{name}.2", 0, act)
+
+
+def _single_site(name: str, block, act: str) -> ActSite | str:
+    width = getattr(block, "mlp_hidden_dim", None)
+    if getattr(block, "yak_mlp", False) or not isinstance(width, int) or not single_forward_known(block):
+        return "its block's forward is not the single block FluxAccel reads"
+    return ActSite(f"{name}.mlp_act", f"{name}.linear2", block.linear2.in_features - width, act)
+
+
+def find_sites(dm: torch.nn.Module, original=lambda name, m: m) -> tuple[list[ActSite], dict[str, tuple[str, str]]]:
+    """(the sites of a FLUX diffusion model, {activation name: (its kind, why it is not a site)} for GELU(tanh)s and
+    SiLU gates that are not).
+
+    original(name, module): the module as the model is without any clone's object patches (the live tree may hold
+    another clone's, e.g. its Identity in an activation's place)."""
+    sites, kept = [], {}
+    for name, m in dm.named_modules():
+        if isinstance(m, torch.nn.Sequential) and len(m) == 3 and (act := _activation(original(f"{name}.1", m[1]))):
+            found, module = _mlp_site(dm, name, m, act), f"{name}.1"
+        elif hasattr(m, "linear2") and (act := _activation(original(f"{name}.mlp_act", getattr(m, "mlp_act", None)))):
+            found, module = _single_site(name, m, act), f"{name}.mlp_act"
+        else:
+            continue
+        if isinstance(found, str):
+            kept[module] = (act, found)
+        elif dm.get_submodule(found.linear).in_features > MAX_ROW:
+            kept[module] = (act, f"its Linear's rows are wider than {MAX_ROW} (the one-pass kernel holds a row in "
+                                 f"registers)")
+        else:
+            sites.append(found)
+    return sites, kept
