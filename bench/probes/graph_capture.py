@@ -5,7 +5,7 @@ second captured (thread-local mode), later ones replayed. Each variant runs in i
 under cudaMallocAsync can abort the process) with the FLUX-width e2e model (1 double + 1 single block), FP8 per-row
 plain blocks+modulation, without block regions unless the variant says so, latent 128x128 (1024²), 512 text tokens:
 
-    source .gpu033/setup-on-device.sh; python3 bench/probes/graph_capture.py --out $OUT [--variants a,b]
+    source .gpu033/setup-on-device.sh; [PROBE_SHAPE=dev] python3 bench/probes/graph_capture.py --out $OUT [--variants a,b]
 
 Per variant: whether the capture worked, dynamo graphs made during each call, outputs of captured replays vs the
 uncaptured compiled call (bit-identical expected), host/device ms per call, and where the capture worked the median
@@ -30,6 +30,11 @@ VARIANTS = {  # inductor options over FluxAccel's own, and whether the blocks co
     # nodes (the buffers a call allocates while captured) may be passed to them
     "cpp-wrapper": ({"cpp_wrapper": True}, False),
     "cpp-wrapper-regions": ({"cpp_wrapper": True}, True),
+    # each block compiled on its own (Module.compile: one compile per block kind, reused by every block of it) with
+    # the C++ wrapper, the rest of the model eager, the whole call captured
+    "blocks-cpp-wrapper": ({"cpp_wrapper": True}, "blocks"),
+    # the product's default (nested regions, Python wrapper), uncaptured: the reference for the variants above
+    "regions-uncaptured": ({}, True),
 }
 
 
@@ -95,17 +100,28 @@ def child(variant: str) -> dict:
     from support.models import build_flux, synthetic_conditioning_for
 
     extra, regions = VARIANTS[variant]
+    shape = os.environ.get("PROBE_SHAPE", "e2e")
     orig = cc.CompileConfig.inductor_options
-    cc.CompileConfig.inductor_options = lambda self, device: {**orig(self, device), **extra}
-    out = {"variant": variant, "allocator": torch.cuda.get_allocator_backend(), "torch": torch.__version__}
+    if regions != "blocks":
+        cc.CompileConfig.inductor_options = lambda self, device: {**orig(self, device), **extra}
+    out = {"variant": variant, "shape": shape, "allocator": torch.cuda.get_allocator_backend(),
+           "torch": torch.__version__}
     with torch.inference_mode():
-        model = build_flux("e2e", device="cuda")
-        q, _ = apply_fp8(model, Fp8Config(granularity="per_row", scope="blocks+modulation", layout="plain"))
-        clone, c = apply_compile(q, CompileConfig(persistent_cache=False, block_regions=regions))
+        model = build_flux(shape, device="cuda")
+        scope = "blocks+modulation" if shape == "e2e" else "blocks"  # e2e: as the first runs of this probe
+        q, _ = apply_fp8(model, Fp8Config(granularity="per_row", scope=scope, layout="plain"))
+        clone, c = apply_compile(q, CompileConfig(persistent_cache=False, block_regions=regions is True))
         out["graphs_off_reason"] = c.stats.graphs_off_reason
-        cap = Capture(c.runner.compiled, sync_inside=variant == "forced-failure")
-        c.runner.compiled = cap
         mm.load_models_gpu([clone])
+        if regions == "blocks":  # the whole-model compile replaced by per-block compiles inside the eager model
+            dm = clone.model.diffusion_model
+            for blk in (*dm.double_blocks, *dm.single_blocks):
+                blk.compile(backend="inductor", dynamic=False, fullgraph=True,
+                            options={**orig(c.cfg, torch.device("cuda")), **extra})
+            c.runner.compiled = dm
+        cap = Capture(c.runner.compiled, sync_inside=variant == "forced-failure")
+        cap.bypass = variant == "regions-uncaptured"
+        c.runner.compiled = cap
         g = torch.Generator(device="cuda").manual_seed(3)
         x = torch.randn(1, 16, 128, 128, generator=g, device="cuda", dtype=torch.bfloat16)
         ctx, ex = synthetic_conditioning_for(clone.model.diffusion_model, 512)[0]
@@ -141,18 +157,17 @@ def child(variant: str) -> dict:
         if len(outs) > 1:
             out["replays_equal_uncaptured"] = [bool(torch.equal(o, outs[0])) for o in outs[1:]]
             out["max_rel_diff_vs_uncaptured"] = max(float((o - outs[0]).norm() / outs[0].norm()) for o in outs[1:])
-        if cap.graph is not None:  # replayed vs uncaptured compiled calls, alternating, ms per call (median of 20)
+        if cap.graph is not None or cap.bypass:  # replayed vs uncaptured calls, alternating, ms per call (median of 20)
             import statistics
-            ms = {"replayed": [], "uncaptured": []}
+            ms = {"replayed": [], "uncaptured": []} if cap.graph is not None else {"uncaptured": []}
             for _ in range(20):
-                for name, bypass in (("replayed", False), ("uncaptured", True)):
+                for name, bypass in (("replayed", False), ("uncaptured", True))[-len(ms):]:
                     cap.bypass = bypass
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     call()
                     torch.cuda.synchronize()
                     ms[name].append((time.perf_counter() - t0) * 1e3)
-            cap.bypass = False
             out["ms_per_call_median"] = {k: round(statistics.median(v), 3) for k, v in ms.items()}
         out.update(c.stats.call_timings())
     return out
