@@ -621,25 +621,26 @@ class _SinglePair(torch.nn.Module):
 
 class _SiluFp8(torch.nn.Module):
     """Lever probe (FLUX.2): a SiLU-gated MLP's gate (SiLU(m1) * m2) and its second (FP8 plain) Linear's row-wise
-    activation quantization in one pass (act_quant_variants.silu_gate), then the same FP8 GEMM; m = the first Linear's
-    output, passed whole (an Identity in SiLUActivation's place)."""
+    activation quantization in one pass, then the same FP8 GEMM; m = the first Linear's output, passed whole (an
+    Identity in SiLUActivation's place). The product's operator (act_quant.py), as Quantize FP8's fuse_silu_gate
+    runs it."""
 
     def __init__(self, lin):
         super().__init__()
         self.lin = lin
 
     def forward(self, m):
-        from bench.probes import act_quant_variants as variants
+        from fluxaccel.core.quant import act_quant
 
-        q, scale = variants.silu_gate(m.reshape(-1, m.shape[-1]))
+        q, scale = act_quant.silu_gate_rowwise_fp8(m)
         return _fp8_gemm(self.lin, q, scale, m.dtype).reshape(*m.shape[:-1], self.lin.weight.shape[0])
 
 
 class _SinglePairSilu(torch.nn.Module):
     """Lever probe (FLUX.2): ComfyUI 0.33's SingleStreamBlock.forward for a block without modulation of its own and a
     SiLU-gated MLP (no patches, no modulation_dims), linear2's input quantized from the attention output and the MLP
-    stream apart (act_quant_variants.silu_gate_pair), its concatenation never written. block: an FP8 per-row plain
-    copy."""
+    stream apart (the product's act_quant.silu_gate_pair_rowwise_fp8), its concatenation never written. block: an FP8
+    per-row plain copy."""
 
     def __init__(self, block):
         super().__init__()
@@ -649,7 +650,7 @@ class _SinglePairSilu(torch.nn.Module):
         from comfy.ldm.flux.layers import apply_mod
         from comfy.ldm.flux.math import attention
 
-        from bench.probes import act_quant_variants as variants
+        from fluxaccel.core.quant import act_quant
 
         b, mod = self.block, vec
         qkv, mlp = torch.split(b.linear1(apply_mod(b.pre_norm(x), (1 + mod.scale), mod.shift)),
@@ -657,7 +658,7 @@ class _SinglePairSilu(torch.nn.Module):
         q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, b.num_heads, -1).permute(2, 0, 3, 1, 4)
         q, k = b.norm(q, k, v)
         attn = attention(q, k, v, pe=pe, mask=attn_mask, transformer_options=transformer_options)
-        q8, scale = variants.silu_gate_pair(attn.reshape(-1, attn.shape[-1]), mlp.reshape(-1, mlp.shape[-1]))
+        q8, scale = act_quant.silu_gate_pair_rowwise_fp8(attn, mlp)
         out = _fp8_gemm(b.linear2, q8, scale, x.dtype).reshape(*x.shape[:-1], -1)
         x += apply_mod(out, mod.gate)
         return x
@@ -845,8 +846,8 @@ def flux2(base):
 def flux2_rows(base):
     """FLUX.2 [dev]'s blocks (a step = 8 double + 48 single) under persistent-reduction limits 4,096 and 8,192 (FLUX.2's
     6,144-wide LayerNorm rows persistent with the second), against inductor's own rule, then with the SiLU-gated MLP's
-    gate and activation quantization in one pass (act_quant_variants.silu_gate / silu_gate_pair: the double blocks'
-    MLPs; the single block's linear2 without its concatenation), with every kernel's device time. PROBE_ONLY
+    gate and activation quantization in one pass (act_quant.silu_gate_rowwise_fp8 / silu_gate_pair_rowwise_fp8: the
+    double blocks' MLPs; the single block's linear2 without its concatenation), with every kernel's device time. PROBE_ONLY
     (comma-separated): only the limit variants whose name holds one of these (the fused ones always run)."""
     dbl, sgl, inputs, ref = _flux2_case()
     from fluxaccel.core.compile.attention import OVERRIDE_KEY, sdpa_cudnn_first
