@@ -221,10 +221,9 @@ def gelu_pair_rowwise_fp8(a: torch.Tensor, m: torch.Tensor, lb: float | None = N
 def silu_gate_rowwise_fp8(x: torch.Tensor, gate_from: int = 0, lb: float | None = None, ub: float | None = None):
     """(q, scale): x (..., gate_from + 2 H) in bf16 as [x0 | SiLU(m1) * m2] (silu_gate_columns), quantized to FP8 e4m3
     with one scale per row (float32, (rows, 1)); q has shape (rows, gate_from + H)."""
-    x2 = _rows(x)
     if _SILU_OP is None:
         raise RuntimeError(SILU_UNAVAILABLE)
-    return _SILU_OP(x2, int(gate_from), lb, ub)
+    return _SILU_OP(_rows(x), int(gate_from), lb, ub)
 
 
 def silu_gate_pair_rowwise_fp8(a: torch.Tensor, m: torch.Tensor, lb: float | None = None, ub: float | None = None):

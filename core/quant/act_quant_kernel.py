@@ -8,6 +8,16 @@ _C3 = tl.constexpr(-2.0 * 1.4426950408889634 * 0.7978845608028654 * 0.044715)
 
 
 @triton.jit
+def _scale(amax, lb, ub, dtype: tl.constexpr, HAS_LB: tl.constexpr, HAS_UB: tl.constexpr):
+    """The row's scale: its absmax (bounded by lb/ub where set) / 448, rounded to the input's dtype as torchao does."""
+    if HAS_LB:
+        amax = tl.maximum(amax, lb).to(dtype).to(tl.float32)
+    if HAS_UB:
+        amax = tl.minimum(amax, ub).to(dtype).to(tl.float32)
+    return tl.math.div_rn(amax, 448.0).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def gelu_rowwise_fp8_kernel(x_ptr, q_ptr, s_ptr, n_cols, x_stride, q_stride, lb, ub,
                             GELU_FROM: tl.constexpr, HAS_LB: tl.constexpr, HAS_UB: tl.constexpr,
                             BLOCK: tl.constexpr):
@@ -23,12 +33,7 @@ def gelu_rowwise_fp8_kernel(x_ptr, q_ptr, s_ptr, n_cols, x_stride, q_stride, lb,
     e = tl.exp2(xf * (_C1 + _C3 * xf * xf))
     g = tl.fdiv(xf, 1.0 + e)  # masked lanes: x = 0, GELU 0, no effect on the absmax
     h = tl.where(cols >= GELU_FROM, g.to(x.dtype), x).to(tl.float32)
-    amax = tl.max(tl.abs(h), 0)
-    if HAS_LB:
-        amax = tl.maximum(amax, lb).to(x.dtype).to(tl.float32)
-    if HAS_UB:
-        amax = tl.minimum(amax, ub).to(x.dtype).to(tl.float32)
-    scale = tl.math.div_rn(amax, 448.0).to(x.dtype).to(tl.float32)  # divided in the input's dtype, as torchao does
+    scale = _scale(tl.max(tl.abs(h), 0), lb, ub, x.dtype, HAS_LB, HAS_UB)
     q = tl.clamp(h * (1.0 / scale), -448.0, 448.0).to(q_ptr.dtype.element_ty)  # e4m3 (float32: unrounded)
     tl.store(q_ptr + row * q_stride + cols, q, mask=mask)
     tl.store(s_ptr + row, scale)
@@ -48,12 +53,7 @@ def gelu_pair_rowwise_fp8_kernel(a_ptr, m_ptr, q_ptr, s_ptr, n_a, n_m, a_stride,
     x = tl.load(m_ptr + row * m_stride + cm, mask=cm < n_m, other=0.0)
     xf = x.to(tl.float32)
     g = tl.fdiv(xf, 1.0 + tl.exp2(xf * (_C1 + _C3 * xf * xf))).to(x.dtype).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(a), 0), tl.max(tl.abs(g), 0))
-    if HAS_LB:
-        amax = tl.maximum(amax, lb).to(x.dtype).to(tl.float32)
-    if HAS_UB:
-        amax = tl.minimum(amax, ub).to(x.dtype).to(tl.float32)
-    scale = tl.math.div_rn(amax, 448.0).to(x.dtype).to(tl.float32)
+    scale = _scale(tl.maximum(tl.max(tl.abs(a), 0), tl.max(tl.abs(g), 0)), lb, ub, x.dtype, HAS_LB, HAS_UB)
     r = 1.0 / scale
     q_row = q_ptr + row * q_stride
     tl.store(q_row + ca, tl.clamp(a * r, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=ca < n_a)
@@ -71,16 +71,6 @@ def _silu_gated(x1, x2):
     x1f = x1.to(tl.float32)
     g = tl.fdiv(x1f, 1.0 + tl.exp2(x1f * _NEG_LOG2E)).to(x1.dtype).to(tl.float32)
     return (g * x2.to(tl.float32)).to(x1.dtype).to(tl.float32)
-
-
-@triton.jit
-def _scale(amax, lb, ub, dtype: tl.constexpr, HAS_LB: tl.constexpr, HAS_UB: tl.constexpr):
-    """The row's scale: its absmax (bounded by lb/ub where set) / 448, rounded to the input's dtype as torchao does."""
-    if HAS_LB:
-        amax = tl.maximum(amax, lb).to(dtype).to(tl.float32)
-    if HAS_UB:
-        amax = tl.minimum(amax, ub).to(dtype).to(tl.float32)
-    return tl.math.div_rn(amax, 448.0).to(dtype).to(tl.float32)
 
 
 @triton.jit
