@@ -38,13 +38,20 @@ class ActSite:
 
 
 def _activation(m) -> str | None:
-    """"gelu" for GELU(tanh), "silu_gate" for a SiLU gate whose forward is ComfyUI's, None for anything else."""
+    """"gelu" for GELU(tanh), "silu_gate" for a SiLU gate (a module gating with an nn.SiLU, as ComfyUI's
+    SiLUActivation), None for anything else."""
     if isinstance(m, torch.nn.GELU) and m.approximate == "tanh":
         return "gelu"
-    if isinstance(getattr(m, "gate_fn", None), torch.nn.SiLU) and all(
-            line in _forward_source(m) for line in SILU_GATE_FORWARD):
+    if isinstance(getattr(m, "gate_fn", None), torch.nn.SiLU):
         return "silu_gate"
     return None
+
+
+def gate_forward_known(m: torch.nn.Module) -> bool:
+    """Whether a SiLU gate's forward is ComfyUI's SiLUActivation.forward as read (gate_fn of the first half times the
+    second)."""
+    src = _forward_source(m)
+    return all(line in src for line in SILU_GATE_FORWARD)
 
 
 def _forward_source(module: torch.nn.Module) -> str:
@@ -96,7 +103,9 @@ def find_sites(dm: torch.nn.Module, original=lambda name, m: m) -> tuple[list[Ac
             found, module = _single_site(name, m, act), f"{name}.mlp_act"
         else:
             continue
-        if isinstance(found, str):
+        if act == "silu_gate" and not gate_forward_known(original(module, dm.get_submodule(module))):
+            kept[module] = (act, "its forward is not the SiLU gate FluxAccel reads")
+        elif isinstance(found, str):
             kept[module] = (act, found)
         elif dm.get_submodule(found.linear).in_features > MAX_ROW:
             kept[module] = (act, f"its Linear's rows are wider than {MAX_ROW} (the one-pass kernel holds a row in "

@@ -175,10 +175,11 @@ def test_a_silu_gate_written_otherwise_is_not_a_site(tiny_flux2):
 
     gate.__class__ = Swapped
     try:
-        sites, _ = act_fusion.find_sites(dm)
+        sites, kept = act_fusion.find_sites(dm)
     finally:
         gate.__class__ = cls
     assert "double_blocks.0.img_mlp.1" not in {s.module for s in sites}
+    assert kept == {"double_blocks.0.img_mlp.1": ("silu_gate", "its forward is not the SiLU gate FluxAccel reads")}
 
 
 def test_flux2_fused_computes_what_unfused_does(cpu_fp8, tiny_flux2):
