@@ -5,7 +5,8 @@ second captured (thread-local mode), later ones replayed. Each variant runs in i
 under cudaMallocAsync can abort the process) with the FLUX-width e2e model (1 double + 1 single block), FP8 per-row
 plain blocks+modulation, without block regions unless the variant says so, latent 128x128 (1024²), 512 text tokens:
 
-    source .gpu033/setup-on-device.sh; [PROBE_SHAPE=dev] python3 bench/probes/graph_capture.py --out $OUT [--variants a,b]
+    source .gpu033/setup-on-device.sh; [PROBE_SHAPE=dev PROBE_HW=64 PROBE_TOKENS=256] \
+        python3 bench/probes/graph_capture.py --out $OUT [--variants a,b]
 
 Per variant: whether the capture worked, dynamo graphs made during each call, outputs of captured replays vs the
 uncaptured compiled call (bit-identical expected), host/device ms per call, and where the capture worked the median
@@ -123,8 +124,10 @@ def child(variant: str) -> dict:
         cap.bypass = variant == "regions-uncaptured"
         c.runner.compiled = cap
         g = torch.Generator(device="cuda").manual_seed(3)
-        x = torch.randn(1, 16, 128, 128, generator=g, device="cuda", dtype=torch.bfloat16)
-        ctx, ex = synthetic_conditioning_for(clone.model.diffusion_model, 512)[0]
+        hw, tokens = int(os.environ.get("PROBE_HW", "128")), int(os.environ.get("PROBE_TOKENS", "512"))
+        out["latent_hw"], out["text_tokens"] = hw, tokens
+        x = torch.randn(1, 16, hw, hw, generator=g, device="cuda", dtype=torch.bfloat16)
+        ctx, ex = synthetic_conditioning_for(clone.model.diffusion_model, tokens)[0]
         kw = dict(c_crossattn=ctx.cuda(), y=ex["pooled_output"].cuda(), guidance=torch.tensor([3.5], device="cuda"))
         from comfy.patcher_extension import WrapperExecutor, WrappersMP, get_all_wrappers
 
