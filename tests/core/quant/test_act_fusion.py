@@ -78,23 +78,31 @@ def test_configs_that_cannot_fuse_say_why(cpu_fp8, tiny_flux, cfg, why):
 def test_static_scales_observe_what_a_fused_linear_quantizes(cpu_fp8, tiny_flux):
     """A static-scale wrapper around a fused Linear records GELU's output range (not its input's), and with its scale
     set runs the GELU before the static quantization."""
-    fused, _ = apply_fp8(tiny_flux, Fp8Config("per_row"))
+    x, gelu, amax = _static_case(tiny_flux, 1, lambda x: torch.nn.functional.gelu(x, approximate="tanh"))
+    assert amax == gelu.abs().amax().float() and amax != x.abs().amax().float()
+
+
+def _static_case(model, widen: int, activation):
+    """A static-scale wrapper around the first double block's fused MLP Linear, fed x (widen x its input width):
+    (x, the activated row, the range it recorded). With its scale set it must equal the unfused Linear on the
+    activated row with the same static scale (asserted here)."""
+    fused, _ = apply_fp8(model, Fp8Config("per_row"))
     inner = fused.object_patches["diffusion_model.double_blocks.0.img_mlp.2"]
     w = StaticFp8Linear(inner)
     g = torch.Generator().manual_seed(1)
-    x = (torch.randn(1, 8, inner.in_features, generator=g) * 3).to(torch.bfloat16)
+    x = (torch.randn(1, 8, widen * inner.in_features, generator=g) * 3).to(torch.bfloat16)
     w(x)
-    gelu = torch.nn.functional.gelu(x, approximate="tanh")
-    assert w.amax == gelu.abs().amax().float() and w.amax != x.abs().amax().float()
+    amax, activated = w.amax, activation(x)
     w.set_scale(1.0)
     unfused = StaticFp8Linear(inner)
     unfused.act_scale = w.act_scale
-    inner.fused_act = None
+    act, inner.fused_act = inner.fused_act, None
     try:
-        expected = unfused(gelu)
+        expected = unfused(activated)
     finally:
-        inner.fused_act = "gelu"
+        inner.fused_act = act
     assert torch.equal(w(x), expected)
+    return x, activated, amax
 
 
 def test_without_the_operator_fusion_is_off_and_said(cpu_fp8, tiny_flux, monkeypatch):
@@ -208,21 +216,9 @@ def test_flux2_fused_computes_what_unfused_does(cpu_fp8, tiny_flux2):
 def test_static_scales_observe_the_gated_row(cpu_fp8, tiny_flux2):
     """A static-scale wrapper around a SiLU-gate Linear records the gated row's range and, with its scale set,
     quantizes the gated row (the first Linear's whole output goes in)."""
-    fused, _ = apply_fp8(tiny_flux2, Fp8Config("per_row"))
-    inner = fused.object_patches["diffusion_model.double_blocks.0.img_mlp.2"]
-    w = StaticFp8Linear(inner)
-    g = torch.Generator().manual_seed(1)
-    x = (torch.randn(1, 8, 2 * inner.in_features, generator=g) * 3).to(torch.bfloat16)
-    w(x)
-    m1, m2 = x.chunk(2, dim=-1)
-    gated = torch.nn.functional.silu(m1) * m2
-    assert w.amax == gated.abs().amax().float()
-    w.set_scale(1.0)
-    unfused = StaticFp8Linear(inner)
-    unfused.act_scale = w.act_scale
-    inner.fused_act = None
-    try:
-        expected = unfused(gated)
-    finally:
-        inner.fused_act = "silu_gate"
-    assert torch.equal(w(x), expected)
+    def gate(x):
+        m1, m2 = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(m1) * m2
+
+    _, gated, amax = _static_case(tiny_flux2, 2, gate)
+    assert amax == gated.abs().amax().float()
