@@ -80,10 +80,6 @@ class Fp8Config:
         """What decides the FP8 weights themselves (the FP8 weights cache's key)."""
         return [self.granularity, self.scope, self.layout]
 
-    def gelu_fusion_unavailable(self) -> str:
-        """Why this config cannot fuse GELU into the FP8 quantization ('' where it can)."""
-        return self.fusion_unavailable("gelu")
-
     def fusion_unavailable(self, act: str) -> str:
         """Why this config cannot fuse the activation `act` ("gelu", "silu_gate") into the FP8 quantization ('' where
         it can)."""
