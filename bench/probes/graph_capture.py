@@ -34,6 +34,8 @@ VARIANTS = {  # inductor options over FluxAccel's own, and whether the blocks co
     # each block compiled on its own (Module.compile: one compile per block kind, reused by every block of it) with
     # the C++ wrapper, the rest of the model eager, the whole call captured
     "blocks-cpp-wrapper": ({"cpp_wrapper": True}, "blocks"),
+    # the same with FluxAccel's single-block forward (no concatenation before linear2), as the product's regions run
+    "blocks-cpp-wrapper-own-single": ({"cpp_wrapper": True}, "blocks"),
     # the product's default (nested regions, Python wrapper), uncaptured: the reference for the variants above
     "regions-uncaptured": ({}, True),
 }
@@ -79,6 +81,24 @@ class Capture:
         return self.out.clone()
 
 
+def _own_single_forward(cls) -> None:
+    """The single-block class's forward replaced, in this probe process, by FluxAccel's (single_block.py) where a
+    block is ready for it, so that Module.compile traces that one."""
+    from fluxaccel.core.compile import single_block
+
+    why = single_block.known(cls)
+    if why:
+        raise RuntimeError(why)
+    comfy_forward = cls.forward
+
+    def forward(self, x, vec, pe, attn_mask=None, modulation_dims=None, transformer_options={}):  # noqa: B006
+        run = single_block.forward if single_block.ready(self) else comfy_forward
+        return run(self, x, vec, pe, attn_mask=attn_mask, modulation_dims=modulation_dims,
+                   transformer_options=transformer_options)
+
+    cls.forward = forward
+
+
 def child(variant: str) -> dict:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
     import torch
@@ -93,6 +113,7 @@ def child(variant: str) -> dict:
     from torch._dynamo.utils import counters
 
     import fluxaccel.core.compile.compiled as cc
+    from fluxaccel.core.compile import single_block
     from fluxaccel.core.compile.config import CompileConfig
     from fluxaccel.core.compile.patch import apply_compile
     from fluxaccel.core.quant.fp8 import Fp8Config
@@ -116,6 +137,9 @@ def child(variant: str) -> dict:
         mm.load_models_gpu([clone])
         if regions == "blocks":  # the whole-model compile replaced by per-block compiles inside the eager model
             dm = clone.model.diffusion_model
+            if variant.endswith("own-single"):  # this process only: the class runs FluxAccel's forward where ready
+                _own_single_forward(type(dm.single_blocks[0]))
+                out["own_single_forward_ready"] = all(single_block.ready(b) for b in dm.single_blocks)
             for blk in (*dm.double_blocks, *dm.single_blocks):
                 blk.compile(backend="inductor", dynamic=False, fullgraph=True,
                             options={**orig(c.cfg, torch.device("cuda")), **extra})
