@@ -75,7 +75,7 @@ def mlp_called_whole(parent: torch.nn.Module, attr: str) -> bool:
     return f"self.{attr}(" in src and f"self.{attr}[" not in src
 
 
-def _mlp_site(dm, name: str, mlp, act: str) -> ActSite | str:
+def _mlp_site(dm, name: str, act: str) -> ActSite | str:
     parent, _, attr = name.rpartition(".")
     if not mlp_called_whole(dm.get_submodule(parent) if parent else dm, attr):
         return "its block's forward does not call the MLP as one module"
@@ -97,13 +97,16 @@ def find_sites(dm: torch.nn.Module, original=lambda name, m: m) -> tuple[list[Ac
     another clone's, e.g. its Identity in an activation's place)."""
     sites, kept = [], {}
     for name, m in dm.named_modules():
-        if isinstance(m, torch.nn.Sequential) and len(m) == 3 and (act := _activation(original(f"{name}.1", m[1]))):
-            found, module = _mlp_site(dm, name, m, act), f"{name}.1"
-        elif hasattr(m, "linear2") and (act := _activation(original(f"{name}.mlp_act", getattr(m, "mlp_act", None)))):
-            found, module = _single_site(name, m, act), f"{name}.mlp_act"
-        else:
+        mlp = isinstance(m, torch.nn.Sequential) and len(m) == 3
+        if not (mlp or hasattr(m, "linear2")):
             continue
-        if act == "silu_gate" and not gate_forward_known(original(module, dm.get_submodule(module))):
+        module = f"{name}.1" if mlp else f"{name}.mlp_act"
+        found_module = original(module, m[1] if mlp else getattr(m, "mlp_act", None))
+        act = _activation(found_module)
+        if act is None:
+            continue
+        found = _mlp_site(dm, name, act) if mlp else _single_site(name, m, act)
+        if act == "silu_gate" and not gate_forward_known(found_module):
             kept[module] = (act, "its forward is not the SiLU gate FluxAccel reads")
         elif isinstance(found, str):
             kept[module] = (act, found)
