@@ -52,19 +52,21 @@ def _region(fn):
     return torch.compiler.nested_compile_region(fn) if available() else fn
 
 
-@_region
-def _double(block, img, txt, vec_layout, vec_tensors, pe, attn_mask, transformer_options, own_attention):
+def _double_body(block, img, txt, vec_layout, vec_tensors, pe, attn_mask, transformer_options, own_attention):
     return block(img=img.clone(), txt=txt.clone(), vec=_rebuilt(vec_layout, vec_tensors), pe=pe, attn_mask=attn_mask,
                  transformer_options=_with_attention(block, transformer_options, own_attention))
 
 
-@_region
-def _single(block, img, vec_layout, vec_tensors, pe, attn_mask, transformer_options, own_attention, own_forward):
+def _single_body(block, img, vec_layout, vec_tensors, pe, attn_mask, transformer_options, own_attention,
+                 own_forward):
     kwargs = dict(vec=_rebuilt(vec_layout, vec_tensors), pe=pe, attn_mask=attn_mask,
                   transformer_options=_with_attention(block, transformer_options, own_attention))
     if own_forward:  # FluxAccel's forward: no concatenation written before linear2 (single_block.py)
         return single_block.forward(block, img.clone(), **kwargs)
     return block(img.clone(), **kwargs)
+
+
+_double, _single = _region(_double_body), _region(_single_body)
 
 
 def _with_attention(block, options: dict, own_attention: str) -> dict:
@@ -132,19 +134,19 @@ def _shared_options(options: dict | None) -> tuple[dict, str]:
     return shared, own
 
 
-def _double_replacement(block):
+def _double_replacement(block, double=_double):
     def replace(args, extra):
-        img, txt = _double(block, args["img"], args["txt"], *_flat(args["vec"]), args["pe"], args.get("attn_mask"),
-                           *_shared_options(args.get("transformer_options")))
+        img, txt = double(block, args["img"], args["txt"], *_flat(args["vec"]), args["pe"], args.get("attn_mask"),
+                          *_shared_options(args.get("transformer_options")))
         return {"img": img, "txt": txt}
 
     return replace
 
 
-def _single_replacement(block, own_forward: bool):
+def _single_replacement(block, own_forward: bool, single=_single):
     def replace(args, extra):
-        img = _single(block, args["img"], *_flat(args["vec"]), args["pe"], args.get("attn_mask"),
-                      *_shared_options(args.get("transformer_options")), own_forward and single_block.ready(block))
+        img = single(block, args["img"], *_flat(args["vec"]), args["pe"], args.get("attn_mask"),
+                     *_shared_options(args.get("transformer_options")), own_forward and single_block.ready(block))
         return {"img": img}
 
     return replace
@@ -154,21 +156,25 @@ class BlockRegions:
     """The patches_replace table for one FLUX diffusion model, rebuilt only if its blocks are swapped. single_blocks:
     "fluxaccel" runs FluxAccel's single-block forward where it applies (single_block.py), "comfyui" the block's own."""
 
-    def __init__(self, dm: torch.nn.Module, single_blocks: str = "comfyui"):
+    def __init__(self, dm: torch.nn.Module, single_blocks: str = "comfyui", compile_blocks=None):
         self._dm = dm
         self._own_single = single_blocks == "fluxaccel"
         self._blocks: tuple = ()
         self._table: dict = {}
+        # compile_blocks(fn) -> compiled fn: each block kind compiled on its own (the model around them runs eager),
+        # instead of nested regions inside a whole-model compile
+        self._double, self._single = (_double, _single) if compile_blocks is None else \
+            (compile_blocks(_double_body), compile_blocks(_single_body))
 
     def table(self) -> dict:
         blocks = (*self._dm.double_blocks, *self._dm.single_blocks)
         if len(blocks) != len(self._blocks) or any(a is not b for a, b in zip(blocks, self._blocks)):
             n = len(self._dm.double_blocks)
             self._blocks = blocks
-            self._table = {(DOUBLE, i): _double_replacement(b) for i, b in enumerate(blocks[:n])}
+            self._table = {(DOUBLE, i): _double_replacement(b, self._double) for i, b in enumerate(blocks[:n])}
             own = {cls: not single_block.known(cls) for cls in {type(b) for b in blocks[n:]}} if self._own_single \
                 else {}  # per block class: whether FluxAccel's single-block forward was written for it
-            self._table.update({(SINGLE, i): _single_replacement(b, own.get(type(b), False))
+            self._table.update({(SINGLE, i): _single_replacement(b, own.get(type(b), False), self._single)
                                 for i, b in enumerate(blocks[n:])})
         return self._table
 

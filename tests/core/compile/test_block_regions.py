@@ -182,3 +182,26 @@ def test_reference_latents_with_per_token_modulation_are_refused(tiny_flux):
     with pytest.raises(FluxAccelError, match="block_regions.*index_timestep_zero.*Turn block_regions off"):
         compiled(x, t, context=ctx, y=y, guidance=guidance, ref_latents=[x], ref_latents_method="index_timestep_zero")
     assert compiled.stats.calls == 0
+
+
+def test_blocks_compiled_on_their_own_with_the_cpp_wrapper(fresh_dynamo):
+    """compile_blocks: each block kind compiled once on its own (inductor's C++ wrapper, the path for CUDA graphs
+    under cudaMallocAsync), the model around them eager: 2 dynamo graphs for 3 + 4 blocks, none more for another
+    call, the output as eager's (float32: the C++ wrapper's CPU GEMM call refuses bf16)."""
+    from support.models import TINY
+
+    model = build_flux({**TINY, "depth": 3, "depth_single_blocks": 4}, dtype=torch.float32)
+    import comfy.model_management as mm
+
+    mm.load_models_gpu([model])
+    dm = model.model.diffusion_model
+    inp = flux_inputs(dm, dtype=torch.float32)
+    ref = _run(dm, inp, {})
+    regions = BlockRegions(dm, "fluxaccel", compile_blocks=lambda fn: torch.compile(
+        fn, backend="inductor", fullgraph=True, dynamic=False, options={"cpp_wrapper": True}))
+    out = _run(dm, inp, regions.transformer_options())
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2
+    x, t, *rest = inp
+    _run(dm, (x, t * 0.5, *rest), regions.transformer_options())
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2
+    assert rel_err(out, ref) < 1e-5
