@@ -34,7 +34,7 @@ def label(model) -> str:
     c = compiled_of(model)
     if c is not None:
         name += "+compile" + ("+graphs" if c.graphs_running else "")  # only where graphs run (CUDA, none dropped)
-        if c.cfg.block_regions:
+        if c.cfg.nested_regions:
             name += "+regions"
         if c.cfg.mode != "default":
             name += f"+{c.cfg.mode}"
@@ -69,7 +69,8 @@ def describe(model) -> dict:
                           "warm_start_off": st.warm_start_off, "attention_note": st.attention_note,
                           "separate_process": {k.describe(): v for k, v in st.separate.items()},
                           "uncompiled_while_compiling": st.uncompiled_while_compiling,
-                          "graphs_off_reason": st.graphs_off_reason,
+                          "graphs_off_reason": st.graphs_off_reason, "graph_capture": c.cfg.graph_capture,
+                          **({"call_graphs": c.runner.call_graphs.counts()} if c.runner.call_graphs else {}),
                           "graph_rerecords": st.rerecords(),
                           "graphs_lost": {k.describe(): v for k, v in st.graphs_lost.items()},
                           "model_compiler_paused_calls": st.model_compiler_paused,

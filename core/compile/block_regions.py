@@ -152,6 +152,19 @@ def _single_replacement(block, own_forward: bool, single=_single):
     return replace
 
 
+def _inline(fn):
+    return fn
+
+
+def for_config(dm: torch.nn.Module, cfg) -> "BlockRegions | None":
+    """The block table a compile config asks for (None without block_regions): nested regions, or where they cannot
+    be compiled (cfg.nested_regions false: inductor's C++ wrapper) the same table with each block traced inline, which
+    keeps FluxAccel's single-block forward."""
+    if not cfg.block_regions:
+        return None
+    return BlockRegions(dm, cfg.single_blocks, compile_blocks=None if cfg.nested_regions else _inline)
+
+
 class BlockRegions:
     """The patches_replace table for one FLUX diffusion model, rebuilt only if its blocks are swapped. single_blocks:
     "fluxaccel" runs FluxAccel's single-block forward where it applies (single_block.py), "comfyui" the block's own."""

@@ -6,7 +6,8 @@ Recipe, in order (each step's why):
   2. compile the *whole* diffusion model, dynamic=False -- one graph per shape; per-block (regional) compile
      with CUDA graphs overwrites block outputs between replays. With block_regions the repeated FLUX blocks are
      nested compile regions inside that one graph (block_regions.py): each kind compiled once, reused 19/38 times
-  3. capture CUDA graphs (inductor's cudagraph trees) -- removes per-kernel launch overhead
+  3. capture CUDA graphs (inductor's cudagraph trees; under cudaMallocAsync, each call whole by call_graphs.py) --
+     removes per-kernel launch overhead
   4. warm up at every shape the workflow uses (Warmup node) -- compile/capture before the first real prompt
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import torch
 
 from .config import MODES, POLICIES, CompileConfig  # noqa: F401  (the compile config's home is config.py)
+from .call_graphs import CallGraphs
 from .runner import Runner
 from .shapes import ShapeKey, ShapePolicy, dtype_name, shape_key, without_references  # noqa: F401
 from .options import attention_override, refuse_unsupported
@@ -40,14 +42,15 @@ class CompiledFlux(torch.nn.Module):
         self.references = references  # whether the architecture reads reference latents (models/profiles.py)
         self.stats = CompileStats()
         self.policy = ShapePolicy(cfg.resolution_policy, cfg.max_shapes)
-        self.regions = None
-        if cfg.block_regions:
-            from .block_regions import BlockRegions
+        from .block_regions import for_config
 
-            self.regions = BlockRegions(dm, cfg.single_blocks)
+        self.regions = for_config(dm, cfg)
         self.cache, packages = self._persistence(dm, variant, layout)
-        self.runner = Runner(dm, cfg.inductor_options(self.device), cfg.cuda_graphs, self.regions, packages,
-                             attention=attention_override(cfg.attention))
+        trees = cfg.cuda_graphs and cfg.graph_capture == "inductor"  # else FluxAccel captures (call_graphs.py)
+        captured = cfg.cuda_graphs and not trees and self.device.type == "cuda"
+        self.runner = Runner(dm, cfg.inductor_options(self.device), trees, self.regions, packages,
+                             attention=attention_override(cfg.attention),
+                             call_graphs=CallGraphs(limit=2 * cfg.max_shapes) if captured else None)
         self.telemetry = Telemetry(self)
         self.separate = self._separate(packages)
         self.here = False  # compiling_here(): Warmup and Benchmark compile in this process
@@ -122,8 +125,13 @@ class CompiledFlux(torch.nn.Module):
 
     @property
     def graphs_running(self) -> bool:
-        """graphs_active, and inductor has not dropped them for any shape (at compile or past its re-record limit)."""
-        return self.graphs_active and not self.stats.graph_skips and not self.stats.graphs_lost
+        """graphs_active, and none dropped for any shape: by inductor (at compile or past its re-record limit), or a
+        capture of FluxAccel's that failed."""
+        if not self.graphs_active:
+            return False
+        if self.runner.call_graphs is not None:
+            return not self.runner.call_graphs.failed
+        return not self.stats.graph_skips and not self.stats.graphs_lost
 
     def derive(self) -> "CompiledFlux":
         """A CompiledFlux for a downstream node's output (Warmup): the same compiled callable, caches and block

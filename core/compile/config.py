@@ -18,6 +18,7 @@ OWN_MODES: dict[str, dict] = {"tuned-kernels": {"coordinate_descent_tuning": Tru
 POLICIES: tuple[str, ...] = ("strict", "recompile", "eager_fallback")
 ATTENTIONS: tuple[str, ...] = ("cudnn", "fp8")  # fp8: FlashAttention-3's FP8 kernel (fp8_attention.py), opt-in
 SINGLE_BLOCKS: tuple[str, ...] = ("fluxaccel", "comfyui")  # whose single-block forward the regions run
+GRAPH_CAPTURES: tuple[str, ...] = ("inductor", "call")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,11 @@ class CompileConfig:
     # "fluxaccel": in the block regions, single blocks whose linear2 takes Quantize FP8's fused GELU run FluxAccel's
     # forward, which never writes linear2's concatenated input (single_block.py); "comfyui": the block's own forward
     single_blocks: Literal["fluxaccel", "comfyui"] = "fluxaccel"
+    # who makes the CUDA graphs (apply_compile picks it from the process's allocator): "inductor" -- its cudagraph
+    # trees, which need PyTorch's native allocator; "call" -- FluxAccel captures each compiled call whole
+    # (call_graphs.py), compiled with inductor's C++ wrapper, which also runs under cudaMallocAsync (ComfyUI's
+    # default). Nested block regions cannot be compiled by the C++ wrapper: with "call" the blocks are traced inline
+    graph_capture: Literal["inductor", "call"] = "inductor"
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -48,6 +54,8 @@ class CompileConfig:
             raise FluxAccelError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if self.single_blocks not in SINGLE_BLOCKS:
             raise FluxAccelError(f"single_blocks must be one of {SINGLE_BLOCKS}, got {self.single_blocks!r}")
+        if self.graph_capture not in GRAPH_CAPTURES:
+            raise FluxAccelError(f"graph_capture must be one of {GRAPH_CAPTURES}, got {self.graph_capture!r}")
         if self.max_shapes < 1:
             raise FluxAccelError(f"max_shapes must be at least 1, got {self.max_shapes}")
         if self.block_regions:
@@ -64,9 +72,10 @@ class CompileConfig:
                   "eager_fallback": "the first shape compiled, others run uncompiled (counted)"}[self.resolution_policy]
         return "; ".join([
             "whole model, compiled on first use" + (f" (mode {self.mode})" if self.mode != "default" else ""),
-            "CUDA graphs " + ("on" if self.cuda_graphs else "off"),
+            "CUDA graphs " + ("off" if not self.cuda_graphs else "on" if self.graph_capture == "inductor" else
+                              "on (each call captured whole, inductor's C++ wrapper)"),
             f"shapes: {policy}",
-            "repeated blocks compiled once" if self.block_regions else "every block compiled",
+            "repeated blocks compiled once" if self.nested_regions else "every block compiled",
             *(["single blocks without the concatenation before linear2 where Quantize FP8 fused the GELU"]
               if self.block_regions and self.single_blocks == "fluxaccel" else []),
             *(["FP8 attention (FlashAttention-3), Q/K scales " + ("from the QK-norm bound" if self.block_regions
@@ -76,6 +85,12 @@ class CompileConfig:
             else "no compile cache (compiles again after a restart)",
             "a new shape compiles in a separate process while the model runs uncompiled" if self.separate_process
             else "a new shape compiles in its first call"])
+
+    @property
+    def nested_regions(self) -> bool:
+        """Whether the repeated blocks are compiled once each (nested compile regions; not with graph_capture
+        "call", whose C++ wrapper cannot compile them: the blocks are then traced inline)."""
+        return self.block_regions and not (self.cuda_graphs and self.graph_capture == "call")
 
     def inductor_options(self, device: torch.device) -> dict:
         """Options passed to this torch.compile call only (no process-wide inductor/dynamo config changes).
@@ -91,7 +106,10 @@ class CompileConfig:
             if not opts:
                 raise FluxAccelError(f"mode {self.mode!r} cannot be expanded to inductor options here ({opts}); "
                                      f"set mode to 'default' on the Compile node.")
-        opts["triton.cudagraphs"] = bool(self.cuda_graphs and torch.device(device).type == "cuda")
+        graphs = bool(self.cuda_graphs and torch.device(device).type == "cuda")
+        opts["triton.cudagraphs"] = graphs and self.graph_capture == "inductor"
+        if graphs and self.graph_capture == "call":
+            opts["cpp_wrapper"] = True  # kernels launched from C++: the call can be captured under cudaMallocAsync
         # Round bf16 intermediates as eager does. Without it inductor keeps e.g. guidance * 1000 in float32 (3500)
         # where eager rounds it to bf16 (3504): FLUX's sinusoidal embeddings turn that into a different output
         # (35 % relative error on the tiny test model, 0.7 % with this option).

@@ -18,7 +18,7 @@ from . import single_block
 from .compiled import CompiledFlux
 from ..env import require_torch
 from ..errors import FluxAccelError
-from ..upstream import comfy_internals, torch_internals
+from ..upstream import Unavailable, comfy_internals, torch_internals
 from ..models.flux import (latent_scale, on_load_callback_type, partial_load_guard, profile, require_flux,
                            require_fully_loaded)
 
@@ -56,7 +56,8 @@ def regional_compiles(model) -> list[str]:
 
 
 def cuda_graph_blockers(device: torch.device) -> list[str]:
-    """Process settings under which CUDA graphs cannot be used, with the launch flag that fixes each."""
+    """Process settings under which inductor's CUDA graphs (cudagraph trees) cannot be used, with the launch flag that
+    fixes each."""
     device = torch.device(device)
     if device.type != "cuda":
         return []
@@ -67,8 +68,41 @@ def cuda_graph_blockers(device: torch.device) -> list[str]:
         backend = "native"
     if backend == "cudaMallocAsync":
         out.append("ComfyUI runs PyTorch's cudaMallocAsync allocator (its default), which inductor's CUDA-graph "
-                   "trees do not support; start ComfyUI with --disable-cuda-malloc to use CUDA graphs")
+                   "trees do not support; start ComfyUI with --disable-cuda-malloc to use them")
     return out
+
+
+def call_capture_unavailable() -> str:
+    """Why FluxAccel cannot capture whole compiled calls here (call_graphs.py, inductor's C++ wrapper); "" if it can."""
+    cc = torch_internals.cpp_compiler()
+    if isinstance(cc, Unavailable):
+        return f"{cc}: the C++ wrapper's build cannot be checked"
+    if not cc:
+        return "no C++ compiler for inductor's C++ wrapper was found (install g++, or set CXX)"
+    return ""
+
+
+def _graphs_under(cfg: CompileConfig, device: torch.device, node: str) -> tuple[CompileConfig, str, str]:
+    """(config, why graphs are off or "", why block regions are not nested or ""): where inductor's cudagraph trees
+    cannot run (cudaMallocAsync), each compiled call is captured whole by FluxAccel, or graphs are off, said why."""
+    blockers = cuda_graph_blockers(device)
+    if not cfg.cuda_graphs or not blockers:
+        return cfg, "", ""
+    why_not = call_capture_unavailable()
+    if why_not:
+        graphs_off = f"{'; '.join(blockers)}; FluxAccel's own capture of each call cannot run either: {why_not}"
+        log.warning("FluxAccel: %s compiles without CUDA graphs: %s", node, graphs_off)
+        return dataclasses.replace(cfg, cuda_graphs=False), graphs_off, ""
+    cfg = dataclasses.replace(cfg, graph_capture="call")
+    log.info("FluxAccel: %s: ComfyUI runs cudaMallocAsync; each compiled call is captured into a CUDA graph by "
+             "FluxAccel (inductor's C++ wrapper)", node)
+    if not cfg.block_regions:
+        return cfg, "", ""
+    inline = ("inductor's C++ wrapper, which CUDA graphs under cudaMallocAsync need, cannot compile nested regions: "
+              "every block is compiled (a longer first compile, the same numerics); start ComfyUI with "
+              "--disable-cuda-malloc, or turn cuda_graphs off, to compile each kind of block once")
+    log.warning("FluxAccel: %s: %s", node, inline)
+    return cfg, "", inline
 
 
 def _install(clone, compiled: CompiledFlux):
@@ -154,15 +188,9 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
         why = why_not(device)
         if why:
             raise FluxAccelError(f"{node}: attention 'fp8' cannot run here: {why}. Set attention to 'cudnn'.")
-    graphs_off = ""
-    if cfg.cuda_graphs:
-        blockers = cuda_graph_blockers(device)
-        if blockers:
-            # compiled without graphs, and said so: in the log (once per Compile node run), the model's stats,
-            # its label and the editor badge
-            graphs_off = "; ".join(blockers)
-            log.warning("FluxAccel: %s compiles without CUDA graphs: %s", node, graphs_off)
-            cfg = dataclasses.replace(cfg, cuda_graphs=False)
+    # graphs off, or not as asked, said: in the log (once per Compile node run), the model's stats, its label and the
+    # editor badge
+    cfg, graphs_off, regions_inline = _graphs_under(cfg, device, node)
     clone = model.clone()
     wt = _apply_model_type()
     if clone.get_wrappers(wt, COMFY_COMPILE_KEY):
@@ -174,8 +202,8 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
     compiled.stats.graphs_off_reason = graphs_off
     if graphs_off:
         compiled.stats.degrade("CUDA graphs", graphs_off)
-    if regions_off:
-        compiled.stats.degrade("block_regions", regions_off)
+    if regions_off or regions_inline:
+        compiled.stats.degrade("block_regions", regions_off or regions_inline)
     _say_single_blocks_off(compiled, model, dm, node)
     clone.add_callback_with_key(on_load_callback_type(), COMPILE_KEY, partial_load_guard(node))
     return _install(clone, compiled)

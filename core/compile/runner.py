@@ -3,6 +3,7 @@ warm-start package where there is one), copy the output out of graph memory."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -46,11 +47,14 @@ def one_graph():
 class Runner:
     """Runs one compiled model call. `compiled` is torch.compile of the whole diffusion model (fullgraph: one graph
     per shape, a graph break is an error); `packages` (warm_start.Packages, or None) hands out the call's saved
-    compiled function where it has one. `paused`: the Comfy model compiler's answer for the last call."""
+    compiled function where it has one. CUDA graphs: `graphs` -- inductor's cudagraph trees (a step mark before each
+    call); `call_graphs` (call_graphs.CallGraphs, or None) -- each call captured whole by FluxAccel. `paused`: the
+    Comfy model compiler's answer for the last call."""
 
     def __init__(self, dm: torch.nn.Module, options: dict, graphs: bool, regions=None, packages=None,
-                 attention=sdpa_cudnn_first):
+                 attention=sdpa_cudnn_first, call_graphs=None):
         self.dm, self.graphs, self.regions, self.packages = dm, graphs, regions, packages
+        self.call_graphs = call_graphs
         self.attention = attention  # the attention override FluxAccel compiles with (options.attention_override)
         self.compiled = torch.compile(dm, backend="inductor", dynamic=False, fullgraph=True, options=options)
         self.paused = False
@@ -70,8 +74,8 @@ class Runner:
         with one_graph(), recompile_budget(), torch_rope(), persistent(), \
                 comfy_internals.outside_model_compiler() as self.paused:
             package = self.packages.get(key, self.dm, (x, timestep), call_kwargs, loading) if self.packages else None
-            if package is None:
-                out = self.compiled(x, timestep, **call_kwargs)
-            else:
-                out = package(self.dm, x, timestep, **call_kwargs)
+            fn = self.compiled if package is None else functools.partial(package, self.dm)
+            if self.call_graphs is not None:  # captured (or replayed) whole; its output is already a copy
+                return self.call_graphs(key, self.dm, fn, (x, timestep), call_kwargs)
+            out = fn(x, timestep, **call_kwargs)
         return out.clone() if self.graphs else out  # the sampler keeps outputs; graph memory is reused on replay

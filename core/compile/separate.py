@@ -35,7 +35,7 @@ import torch
 
 from ..upstream import Unavailable, comfy_internals
 from . import skeleton
-from .block_regions import BlockRegions
+from .block_regions import for_config
 from .config import CompileConfig
 from .kernel_cache import KernelCache
 from .reductions import persistent
@@ -271,9 +271,9 @@ def _compile(job: dict, dm: torch.nn.Module, device: torch.device, t0: float) ->
         differs = sorted(k for k in here if here[k] != h["call"].get(k))
         return {"saved": False, "error": f"the call rebuilt in the separate process differs in {', '.join(differs)}"}
     cfg = CompileConfig(**h["config"])
-    if cfg.block_regions:
-        kwargs["transformer_options"] = {**BlockRegions(dm, cfg.single_blocks).transformer_options(),
-                                         **kwargs["transformer_options"]}
+    regions = for_config(dm, cfg)
+    if regions is not None:
+        kwargs["transformer_options"] = {**regions.transformer_options(), **kwargs["transformer_options"]}
     log.info("FluxAccel compile process: rebuilt the model and its call in %.1f s", time.perf_counter() - t0)
     cache = KernelCache(h["key"], Path(h["cache_dir"]))
     cache.load()

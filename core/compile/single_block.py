@@ -12,7 +12,8 @@ The forward below is ComfyUI's, line for line but for that call, so it runs only
     keeps its own forward, and the Compile node says so), and the functions it calls come from that class's module;
   * its linear2 is a plain-layout FP8 Linear with dynamic scales and the fused activation starting at the attention
     output's end (quant/linear.py takes_pair) and its mlp_act is the Identity put in the activation's place;
-  * the Compile node's `single_blocks` is "fluxaccel" and the blocks run as compiled regions (block_regions.py).
+  * the Compile node's `single_blocks` is "fluxaccel" and the blocks run through the block table (block_regions.py:
+    compiled regions, or traced inline where the call is captured whole).
 Anything else runs the block's own forward.
 """
 from __future__ import annotations

@@ -66,7 +66,8 @@ class Telemetry:
     def count_call(self, paused) -> None:
         st = self.compiled.stats
         st.calls += 1
-        st.marks += bool(self.compiled.graphs)
+        st.marks += bool(self.compiled.runner.graphs)  # inductor's cudagraph trees: a step mark before each call
+        self._check_captures()
         if paused is True:
             st.model_compiler_paused += 1
         elif paused is not False:
@@ -131,7 +132,7 @@ class Telemetry:
         if x.is_cuda:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
-        watch = c.graphs_active
+        watch = c.graphs_active and c.runner.call_graphs is None  # inductor's cudagraph trees (FluxAccel's: above)
         skips_before = cudagraph_skips() if watch else 0
         rec_before = graph_recordings(c.device) if watch else None
         t0 = time.perf_counter()
@@ -171,6 +172,15 @@ class Telemetry:
                             "triton.cudagraph_unexpected_rerecord_limit; TORCH_LOGS=perf_hints says why): it runs "
                             "compiled without graphs. Restart ComfyUI, or keep the model loaded (fewer /free or "
                             "model switches), to get graphs back")
+
+    def _check_captures(self) -> None:
+        """FluxAccel's own captures (call_graphs.py): a shape whose capture failed is lost to graphs (said once)."""
+        graphs = self.compiled.runner.call_graphs
+        if graphs is None or not graphs.failed:
+            return
+        for key, why in graphs.failures().items():
+            if key not in self.compiled.stats.graphs_lost:
+                self._lose(key, f"its CUDA graph could not be captured ({why}): it runs compiled without a graph")
 
     def _lose(self, key: ShapeKey, why: str) -> None:
         st = self.compiled.stats

@@ -281,6 +281,19 @@ def load_artifacts(payload: bytes) -> tuple[dict, str]:
     return dict(artifacts), str(info)
 
 
+# -- inductor's C++ wrapper (captured calls under cudaMallocAsync) --------------------------------------------------
+def cpp_compiler() -> str | Unavailable:
+    """The host C++ compiler inductor's C++ wrapper builds with; "" where it finds none."""
+    fn = _attr("torch._inductor.cpp_builder.get_cpp_compiler")
+    if not callable(fn):
+        return fn
+    try:
+        return str(fn() or "")
+    except (RuntimeError, OSError, ValueError) as e:  # inductor raises when its compiler search finds nothing
+        del e
+        return ""
+
+
 # -- AOT-compiled functions (warm-start packages) ------------------------------------------------------------------
 def aot_compile_available() -> bool | Unavailable:
     if not hasattr(torch.compiler, "load_compiled_function"):

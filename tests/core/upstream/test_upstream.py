@@ -397,3 +397,16 @@ def test_launch_args_missing(monkeypatch):
     assert isinstance(comfy_internals.launch_args(), Unavailable)
     missing = comfy_internals.set_launch_args({"listen": "x"})
     assert isinstance(missing, Unavailable) and "comfy.cli_args.args" in str(missing)
+
+
+def test_cpp_compiler_lookup_missing(monkeypatch):
+    """Where torch no longer has inductor's compiler lookup, FluxAccel cannot tell whether the C++ wrapper builds:
+    under cudaMallocAsync graphs are then off, said why (not captured on a guess)."""
+    from fluxaccel.core.compile import patch
+
+    hide(monkeypatch, "torch._inductor.cpp_builder.get_cpp_compiler")
+    assert isinstance(torch_internals.cpp_compiler(), Unavailable)
+    assert "cpp_builder.get_cpp_compiler" in patch.call_capture_unavailable()
+    monkeypatch.setattr(patch, "cuda_graph_blockers", lambda device: ["cudaMallocAsync"])
+    cfg, off, _ = patch._graphs_under(CompileConfig(), torch.device("cuda"), "node")
+    assert not cfg.cuda_graphs and "cannot be checked" in off

@@ -1,0 +1,190 @@
+"""core/compile/call_graphs.py: whole compiled calls captured and replayed -- a graph per call structure, fresh inputs
+copied into its static ones, outputs copied out, a capture again where the weights moved, failures counted and the
+call run without a graph, the graph count bounded; and the compiled FLUX model through it.
+
+CUDA graphs need a GPU: here a capture stand-in records the call and replays it into the same output memory, as a
+graph does (reads its static inputs, overwrites its output), so what FluxAccel's own code does around the graph is
+checked on the CPU; the capture itself runs in the GPU runs (bench/probes/graph_capture.py, bench/device.sh)."""
+import dataclasses
+
+import pytest
+import torch
+
+from fluxaccel.core.bench.metrics import rel_err
+from fluxaccel.core.compile.call_graphs import CallGraphs, rebuilt, structure, weight_addresses
+from fluxaccel.core.compile.shapes import ShapeKey
+
+KEY = ShapeKey(1, 2, 2, 0, "float32")
+OTHER = ShapeKey(1, 4, 4, 0, "float32")
+
+
+class Replayed:
+    """A stand-in for torch.cuda.CUDAGraph: capturing runs the call once (its output memory is the graph's); replay
+    runs it again on whatever the captured inputs hold now and writes the result into that same memory."""
+
+    def __init__(self, run):
+        self.run, self.out, self.replays = run, run(), 0
+
+    def replay(self):
+        self.replays += 1
+        self.out.copy_(self.run())
+
+
+def cpu_capture(run):
+    g = Replayed(run)
+    return g, g.out
+
+
+class Scale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([2.0]), requires_grad=False)
+
+    def forward(self, x, t, opts=None):
+        return x * self.w + t
+
+
+def test_replays_read_each_calls_inputs_and_outputs_are_copies():
+    m = Scale()
+    cg = CallGraphs(capture=cpu_capture)
+    outs = [cg(KEY, m, m, (torch.full((2,), float(i)), torch.tensor([1.0])), {}) for i in range(4)]
+    assert [o.tolist() for o in outs] == [[1.0, 1.0], [3.0, 3.0], [5.0, 5.0], [7.0, 7.0]]
+    # the first call uncaptured, the second captured and replayed, later ones replayed
+    assert (cg.uncaptured, cg.captures, cg.replays, len(cg.graphs)) == (1, 1, 3, 1)
+    (g,) = cg.graphs.values()
+    assert all(o.data_ptr() != g.out.data_ptr() for o in outs)
+
+
+def test_a_graph_per_call_structure_and_objects_by_identity():
+    m = Scale()
+    cg = CallGraphs(capture=cpu_capture)
+    table_a, table_b = {"f": lambda: 0}, {"f": lambda: 0}
+    calls = [(KEY, (torch.ones(2), torch.zeros(1)), {"opts": table_a}),
+             (KEY, (torch.ones(2), torch.zeros(1)), {"opts": table_b}),  # another object: another graph
+             (KEY, (torch.ones(3), torch.zeros(1)), {"opts": table_a}),  # another shape
+             (OTHER, (torch.ones(2), torch.zeros(1)), {"opts": table_a}),
+             (KEY, (torch.ones(2), torch.zeros(1)), {"opts": 1}), (KEY, (torch.ones(2), torch.zeros(1)), {"opts": 2})]
+    for _ in range(3):
+        for key, args, kwargs in calls:
+            cg(key, m, lambda x, t, opts: x * 2 + t, args, kwargs)
+    assert (len(cg.graphs), cg.captures, cg.replays, cg.uncaptured) == (6, 6, 12, 6)
+
+
+def test_structure_round_trip():
+    f = object()
+    value = ((torch.ones(2),), {"a": [torch.zeros(1), 3, "s", None], "b": f, "c": (1.5, torch.ones(1, 2))})
+    spec, tensors, objects = structure(value)
+    assert len(tensors) == 3 and objects == [f]
+    again = rebuilt(value, [t + 1 for t in tensors])
+    assert torch.equal(again[0][0], torch.full((2,), 2.0)) and again[1]["a"][1:] == [3, "s", None]
+    assert again[1]["b"] is f and isinstance(again[1]["c"], tuple) and torch.equal(again[1]["c"][1], torch.full((1, 2), 2.0))
+    assert structure(rebuilt(value, [t + 1 for t in tensors]))[0] == spec
+    assert structure(({"a": torch.ones(2, dtype=torch.float16)},))[0] != structure(({"a": torch.ones(2)},))[0]
+
+
+def test_moved_weights_capture_again():
+    m = Scale()
+    cg = CallGraphs(capture=cpu_capture)
+    args = (torch.ones(2), torch.zeros(1))
+    for _ in range(3):
+        cg(KEY, m, m, args, {})
+    before = weight_addresses(m)
+    m.w = torch.nn.Parameter(torch.tensor([5.0]), requires_grad=False)  # as a reload puts weights elsewhere
+    assert weight_addresses(m) != before
+    out = cg(KEY, m, m, args, {})
+    assert out.tolist() == [5.0, 5.0] and (cg.recaptures, cg.captures) == (1, 2)
+    assert cg(KEY, m, m, args, {}).tolist() == [5.0, 5.0] and cg.recaptures == 1
+
+
+def test_failed_capture_counted_kept_and_run_without_a_graph(caplog):
+    def refuse(run):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    m = Scale()
+    cg = CallGraphs(capture=refuse)
+    outs = [cg(KEY, m, m, (torch.full((2,), float(i)), torch.zeros(1)), {}) for i in range(4)]
+    assert [o.tolist()[0] for o in outs] == [0.0, 2.0, 4.0, 6.0]
+    assert cg.failures() == {KEY: "RuntimeError: operation not permitted when stream is capturing"}
+    assert (cg.captures, cg.replays, cg.uncaptured, len(cg.kept)) == (0, 0, 4, 1)
+    assert any("could not be captured" in r.getMessage() and "without a graph" in r.getMessage() for r in caplog.records)
+    assert cg.counts()["failed"] == {KEY.describe(): "RuntimeError: operation not permitted when stream is capturing"}
+
+
+def test_graph_count_bounded(caplog):
+    m = Scale()
+    cg = CallGraphs(limit=2, capture=cpu_capture)
+    for _ in range(3):
+        for n in (2, 3, 4):
+            cg(KEY, m, m, (torch.ones(n), torch.zeros(1)), {})
+    assert len(cg.graphs) == 2 and cg.over_limit == 2 and cg.uncaptured == 3 + 2
+    assert sum("(its limit)" in r.getMessage() for r in caplog.records) == 1
+
+
+# -- the compiled FLUX model with its calls captured ----------------------------------------------------------------
+def test_compiled_flux_calls_captured_whole(fresh_dynamo):
+    """graph_capture "call" (what apply_compile picks under cudaMallocAsync): the block table traced inline (no nested
+    regions: inductor's C++ wrapper cannot compile them), FluxAccel's single-block forward kept, the model compiled
+    with the C++ wrapper and each call captured (the stand-in here): a sampling run equals the uncompiled model's
+    (float32: the C++ wrapper's CPU GEMM call refuses bf16), the second run replays every call, one dynamo graph."""
+    import comfy.model_management as mm
+
+    from fluxaccel.core.compile import block_regions
+    from fluxaccel.core.compile.compiled import CompiledFlux
+    from fluxaccel.core.compile.config import CompileConfig
+    from fluxaccel.core.compile.patch import _install, remove_compile
+    from support.models import build_flux
+    from support.runs import sample
+
+    model = build_flux(dtype=torch.float32)
+    cfg = CompileConfig(graph_capture="call", persistent_cache=False)
+    assert not cfg.nested_regions and cfg.inductor_options(torch.device("cuda"))["cpp_wrapper"] is True
+    assert cfg.inductor_options(torch.device("cuda"))["triton.cudagraphs"] is False
+    mm.load_models_gpu([model])
+    dm = model.model.diffusion_model
+    compiled = CompiledFlux(dm, cfg, torch.device("cpu"))
+    assert compiled.regions._double is block_regions._double_body  # inline: no nested region
+    compiled.runner.compiled = torch.compile(dm, backend="inductor", dynamic=False, fullgraph=True,
+                                             options={**cfg.inductor_options(torch.device("cpu")),
+                                                      "cpp_wrapper": True})
+    compiled.runner.call_graphs = CallGraphs(capture=cpu_capture)
+    clone, _ = _install(model.clone(), compiled)
+    ref = sample(remove_compile(clone), steps=3)
+    first = sample(clone, steps=3)
+    again = sample(clone, steps=3)
+    cg = compiled.runner.call_graphs
+    assert rel_err(first, ref) < 1e-4 and torch.equal(again, first)
+    assert (cg.captures, cg.uncaptured, cg.replays) == (1, 1, 5)
+    assert fresh_dynamo["stats"]["unique_graphs"] == 1
+    assert compiled.stats.calls == 6 and compiled.stats.marks == 0
+
+
+def test_capture_chosen_under_cudamallocasync(monkeypatch, caplog):
+    """Under cudaMallocAsync (ComfyUI's default) graphs are captured per call, and the block regions' nesting is said
+    to be off; without a C++ compiler graphs are off, said why."""
+    from fluxaccel.core.compile import patch
+    from fluxaccel.core.compile.config import CompileConfig
+    from fluxaccel.core.upstream import torch_internals
+
+    monkeypatch.setattr(patch, "cuda_graph_blockers", lambda device: ["cudaMallocAsync here"])
+    cfg, off, inline = patch._graphs_under(CompileConfig(), torch.device("cuda"), "node")
+    assert cfg.graph_capture == "call" and cfg.cuda_graphs and not off
+    assert "cannot compile nested regions" in inline and "--disable-cuda-malloc" in inline
+    assert "each call captured whole" in cfg.summary() and "every block compiled" in cfg.summary()
+    cfg, off, inline = patch._graphs_under(CompileConfig(block_regions=False), torch.device("cuda"), "node")
+    assert cfg.graph_capture == "call" and not off and not inline
+    monkeypatch.setattr(torch_internals, "cpp_compiler", lambda: "")
+    cfg, off, inline = patch._graphs_under(CompileConfig(), torch.device("cuda"), "node")
+    assert not cfg.cuda_graphs and "cudaMallocAsync here" in off and "no C++ compiler" in off and not inline
+    monkeypatch.setattr(patch, "cuda_graph_blockers", lambda device: [])
+    cfg, off, inline = patch._graphs_under(CompileConfig(), torch.device("cuda"), "node")
+    assert cfg == CompileConfig() and not off and not inline
+
+
+def test_config_refuses_unknown_graph_capture():
+    from fluxaccel.core.compile.config import CompileConfig
+    from fluxaccel.core.errors import FluxAccelError
+
+    with pytest.raises(FluxAccelError, match="graph_capture must be one of"):
+        CompileConfig(graph_capture="trees")
+    assert dataclasses.replace(CompileConfig(), graph_capture="call").nested_regions is False
+    assert CompileConfig(graph_capture="call", cuda_graphs=False).nested_regions is True
