@@ -44,6 +44,10 @@ CONFIGS = {
                                                "layout": "plain"}),
                 ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
                                            "max_shapes": 4, "persistent_cache": True, "block_regions": False})],
+    # the default without CUDA graphs (under cudaMallocAsync: nested block regions, no capture of the call)
+    "graphs-off": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
+                   ("6", "FluxAccelCompile", {"cuda_graphs": False, "mode": "default", "resolution_policy": "strict",
+                                              "max_shapes": 4, "persistent_cache": True, "block_regions": True})],
     # the compile in the first prompt, without FluxAccel's compile cache
     "fluxaccel-inprompt": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks",
                                                           "layout": "plain"}),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -151,6 +152,7 @@ class CallGraphs:
     def _capture(self, spec, key, model, fn, args, kwargs, tensors, objects) -> Graph | None:
         inputs = [t.clone() for t in tensors]
         s_args, s_kwargs = rebuilt((args, kwargs), inputs)
+        t0 = time.perf_counter()
         try:
             graph, out = self.capture(lambda: fn(*s_args, **s_kwargs))
         except Exception as e:  # noqa: BLE001 -- any capture failure: said, counted, the call runs without a graph
@@ -161,6 +163,8 @@ class CallGraphs:
                         "a graph from now on", key.describe(), why)
             return None
         self.captures += 1
+        log.info("FluxAccel: captured the CUDA graph of %s in %.2f s (%d graph(s) for this model)", key.describe(),
+                 time.perf_counter() - t0, len(self.graphs) + 1)
         g = Graph(graph, inputs, out, weight_addresses(model), objects)
         self.graphs[spec] = g
         return g
