@@ -44,10 +44,15 @@ CONFIGS = {
                                                "layout": "plain"}),
                 ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
                                            "max_shapes": 4, "persistent_cache": True, "block_regions": False})],
-    # the default without CUDA graphs (under cudaMallocAsync: nested block regions, no capture of the call)
+    # the default without CUDA graphs (what the default runs under cudaMallocAsync)
     "graphs-off": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
                    ("6", "FluxAccelCompile", {"cuda_graphs": False, "mode": "default", "resolution_policy": "strict",
                                               "max_shapes": 4, "persistent_cache": True, "block_regions": True})],
+    # the default with graph_capture "call": blocks compiled on their own, each model call captured (any allocator)
+    "graphs-call": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
+                    ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
+                                               "max_shapes": 4, "persistent_cache": True, "block_regions": True,
+                                               "graph_capture": "call"})],
     # the compile in the first prompt, without FluxAccel's compile cache
     "fluxaccel-inprompt": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks",
                                                           "layout": "plain"}),

@@ -152,17 +152,17 @@ def _single_replacement(block, own_forward: bool, single=_single):
     return replace
 
 
-def _inline(fn):
-    return fn
-
-
-def for_config(dm: torch.nn.Module, cfg) -> "BlockRegions | None":
-    """The block table a compile config asks for (None without block_regions): nested regions, or where they cannot
-    be compiled (cfg.nested_regions false: inductor's C++ wrapper) the same table with each block traced inline, which
-    keeps FluxAccel's single-block forward."""
+def for_config(dm: torch.nn.Module, cfg, device: torch.device) -> "BlockRegions | None":
+    """The block table a compile config asks for (None without block_regions): nested regions inside the whole-model
+    compile, or with graph_capture "call" each kind of block compiled on its own (inductor's C++ wrapper, which
+    refuses nested regions; the model around the blocks runs uncompiled and FluxAccel captures the whole call)."""
     if not cfg.block_regions:
         return None
-    return BlockRegions(dm, cfg.single_blocks, compile_blocks=None if cfg.nested_regions else _inline)
+    if cfg.nested_regions:
+        return BlockRegions(dm, cfg.single_blocks)
+    options = cfg.inductor_options(device)
+    return BlockRegions(dm, cfg.single_blocks, compile_blocks=lambda fn: torch.compile(
+        fn, backend="inductor", dynamic=False, fullgraph=True, options=options))
 
 
 class BlockRegions:

@@ -44,13 +44,14 @@ class CompiledFlux(torch.nn.Module):
         self.policy = ShapePolicy(cfg.resolution_policy, cfg.max_shapes)
         from .block_regions import for_config
 
-        self.regions = for_config(dm, cfg)
+        self.regions = for_config(dm, cfg, self.device)
         self.cache, packages = self._persistence(dm, variant, layout)
-        trees = cfg.cuda_graphs and cfg.graph_capture == "inductor"  # else FluxAccel captures (call_graphs.py)
-        captured = cfg.cuda_graphs and not trees and self.device.type == "cuda"
-        self.runner = Runner(dm, cfg.inductor_options(self.device), trees, self.regions, packages,
-                             attention=attention_override(cfg.attention),
-                             call_graphs=CallGraphs(limit=2 * cfg.max_shapes) if captured else None)
+        # graphs: inductor's (trees, whole-model compile), or FluxAccel's capture of each call (blocks on their own)
+        self.runner = Runner(dm, cfg.inductor_options(self.device), cfg.cuda_graphs and not cfg.captured,
+                             self.regions, packages, attention=attention_override(cfg.attention),
+                             call_graphs=CallGraphs(limit=2 * cfg.max_shapes)
+                             if cfg.captured and self.device.type == "cuda" else None,
+                             whole=not cfg.captured)
         self.telemetry = Telemetry(self)
         self.separate = self._separate(packages)
         self.here = False  # compiling_here(): Warmup and Benchmark compile in this process
@@ -65,6 +66,9 @@ class CompiledFlux(torch.nn.Module):
         cache = KernelCache(cache_key(dm, self.cfg, self.device, variant, layout))
         self.stats.cache_loaded = cache.load()
         usable, why = available() if self.cfg.warm_start else (False, "warm_start off in the compile config")
+        if usable and self.cfg.captured:
+            usable, why = False, ("graph_capture 'call' compiles the blocks on their own, which warm-start packages "
+                                  "do not hold yet")
         if usable:
             packages = Packages(WarmStart(cache.key, cache.dir), self.cfg.inductor_options(self.device))
             # a restart: the saved packages load while ComfyUI moves the weights, not at the first model call

@@ -39,10 +39,10 @@ class CompileConfig:
     # "fluxaccel": in the block regions, single blocks whose linear2 takes Quantize FP8's fused GELU run FluxAccel's
     # forward, which never writes linear2's concatenated input (single_block.py); "comfyui": the block's own forward
     single_blocks: Literal["fluxaccel", "comfyui"] = "fluxaccel"
-    # who makes the CUDA graphs (apply_compile picks it from the process's allocator): "inductor" -- its cudagraph
-    # trees, which need PyTorch's native allocator; "call" -- FluxAccel captures each compiled call whole
-    # (call_graphs.py), compiled with inductor's C++ wrapper, which also runs under cudaMallocAsync (ComfyUI's
-    # default). Nested block regions cannot be compiled by the C++ wrapper: with "call" the blocks are traced inline
+    # who makes the CUDA graphs: "inductor" -- its cudagraph trees over the whole-model compile, which need PyTorch's
+    # native allocator (ComfyUI --disable-cuda-malloc); "call" -- each kind of block compiled on its own with
+    # inductor's C++ wrapper and each model call captured whole by FluxAccel (call_graphs.py), under any allocator
+    # (ComfyUI's default cudaMallocAsync included), without warm-start packages or a separate-process compile yet
     graph_capture: Literal["inductor", "call"] = "inductor"
 
     def __post_init__(self):
@@ -56,6 +56,9 @@ class CompileConfig:
             raise FluxAccelError(f"single_blocks must be one of {SINGLE_BLOCKS}, got {self.single_blocks!r}")
         if self.graph_capture not in GRAPH_CAPTURES:
             raise FluxAccelError(f"graph_capture must be one of {GRAPH_CAPTURES}, got {self.graph_capture!r}")
+        if self.captured and not self.block_regions:
+            raise FluxAccelError("graph_capture 'call' compiles each kind of FLUX block on its own through the block "
+                                 "table: turn block_regions on, or set graph_capture to 'inductor'")
         if self.max_shapes < 1:
             raise FluxAccelError(f"max_shapes must be at least 1, got {self.max_shapes}")
         if self.block_regions:
@@ -73,9 +76,10 @@ class CompileConfig:
         return "; ".join([
             "whole model, compiled on first use" + (f" (mode {self.mode})" if self.mode != "default" else ""),
             "CUDA graphs " + ("off" if not self.cuda_graphs else "on" if self.graph_capture == "inductor" else
-                              "on (each call captured whole, inductor's C++ wrapper)"),
+                              "on (each model call captured whole)"),
             f"shapes: {policy}",
-            "repeated blocks compiled once" if self.nested_regions else "every block compiled",
+            ("each kind of block compiled once on its own, inductor's C++ wrapper" if self.captured else
+             "repeated blocks compiled once") if self.block_regions else "every block compiled",
             *(["single blocks without the concatenation before linear2 where Quantize FP8 fused the GELU"]
               if self.block_regions and self.single_blocks == "fluxaccel" else []),
             *(["FP8 attention (FlashAttention-3), Q/K scales " + ("from the QK-norm bound" if self.block_regions
@@ -87,10 +91,15 @@ class CompileConfig:
             else "a new shape compiles in its first call"])
 
     @property
+    def captured(self) -> bool:
+        """CUDA graphs by FluxAccel's own capture of each call, the blocks compiled on their own (graph_capture)."""
+        return self.cuda_graphs and self.graph_capture == "call"
+
+    @property
     def nested_regions(self) -> bool:
-        """Whether the repeated blocks are compiled once each (nested compile regions; not with graph_capture
-        "call", whose C++ wrapper cannot compile them: the blocks are then traced inline)."""
-        return self.block_regions and not (self.cuda_graphs and self.graph_capture == "call")
+        """Whether the repeated blocks are nested compile regions inside the whole-model compile (with graph_capture
+        "call" they are compiled on their own instead: inductor's C++ wrapper cannot compile nested regions)."""
+        return self.block_regions and not self.captured
 
     def inductor_options(self, device: torch.device) -> dict:
         """Options passed to this torch.compile call only (no process-wide inductor/dynamo config changes).
@@ -107,8 +116,8 @@ class CompileConfig:
                 raise FluxAccelError(f"mode {self.mode!r} cannot be expanded to inductor options here ({opts}); "
                                      f"set mode to 'default' on the Compile node.")
         graphs = bool(self.cuda_graphs and torch.device(device).type == "cuda")
-        opts["triton.cudagraphs"] = graphs and self.graph_capture == "inductor"
-        if graphs and self.graph_capture == "call":
+        opts["triton.cudagraphs"] = graphs and not self.captured
+        if graphs and self.captured:
             opts["cpp_wrapper"] = True  # kernels launched from C++: the call can be captured under cudaMallocAsync
         # Round bf16 intermediates as eager does. Without it inductor keeps e.g. guidance * 1000 in float32 (3500)
         # where eager rounds it to bf16 (3504): FLUX's sinusoidal embeddings turn that into a different output

@@ -82,27 +82,23 @@ def call_capture_unavailable() -> str:
     return ""
 
 
-def _graphs_under(cfg: CompileConfig, device: torch.device, node: str) -> tuple[CompileConfig, str, str]:
-    """(config, why graphs are off or "", why block regions are not nested or ""): where inductor's cudagraph trees
-    cannot run (cudaMallocAsync), each compiled call is captured whole by FluxAccel, or graphs are off, said why."""
-    blockers = cuda_graph_blockers(device)
-    if not cfg.cuda_graphs or not blockers:
-        return cfg, "", ""
-    why_not = call_capture_unavailable()
-    if why_not:
-        graphs_off = f"{'; '.join(blockers)}; FluxAccel's own capture of each call cannot run either: {why_not}"
-        log.warning("FluxAccel: %s compiles without CUDA graphs: %s", node, graphs_off)
-        return dataclasses.replace(cfg, cuda_graphs=False), graphs_off, ""
-    cfg = dataclasses.replace(cfg, graph_capture="call")
-    log.info("FluxAccel: %s: ComfyUI runs cudaMallocAsync; each compiled call is captured into a CUDA graph by "
-             "FluxAccel (inductor's C++ wrapper)", node)
-    if not cfg.block_regions:
-        return cfg, "", ""
-    inline = ("inductor's C++ wrapper, which CUDA graphs under cudaMallocAsync need, cannot compile nested regions: "
-              "every block is compiled (a longer first compile, the same numerics); start ComfyUI with "
-              "--disable-cuda-malloc, or turn cuda_graphs off, to compile each kind of block once")
-    log.warning("FluxAccel: %s: %s", node, inline)
-    return cfg, "", inline
+def _graphs_under(cfg: CompileConfig, device: torch.device, node: str) -> tuple[CompileConfig, str]:
+    """(config, why CUDA graphs are off or ""): graph_capture "call" where a C++ compiler is found (any allocator);
+    inductor's graphs where its cudagraph trees can run; otherwise graphs off, said why and what to set."""
+    if not cfg.cuda_graphs or torch.device(device).type != "cuda":
+        return cfg, ""
+    if cfg.graph_capture == "call":
+        why_not = call_capture_unavailable()
+        if not why_not:
+            return cfg, ""
+        graphs_off = f"graph_capture 'call' cannot run here: {why_not}"
+    else:
+        blockers = cuda_graph_blockers(device)
+        if not blockers:
+            return cfg, ""
+        graphs_off = "; ".join(blockers) + ", or set graph_capture to 'call'"
+    log.warning("FluxAccel: %s compiles without CUDA graphs: %s", node, graphs_off)
+    return dataclasses.replace(cfg, cuda_graphs=False), graphs_off
 
 
 def _install(clone, compiled: CompiledFlux):
@@ -175,6 +171,10 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
         from ..quant.patch import fp8_state
 
         fp8 = fp8_state(model)
+        if fp8 and fp8.config.layout == "subclass" and cfg.captured:
+            raise FluxAccelError(f"{node}: graph_capture 'call' compiles each kind of block on its own, which FP8 "
+                                 f"weights in the 'subclass' layout cannot go through: set layout 'plain' on Quantize "
+                                 f"FP8, or graph_capture 'inductor' here.")
         if fp8 and fp8.config.layout == "subclass":
             # torch has no rule for tensor-subclass weights (torchao's Float8Tensor) inside a nested compile region
             regions_off = ("FP8 weights in the 'subclass' layout cannot be used in torch's nested compile regions "
@@ -190,7 +190,7 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
             raise FluxAccelError(f"{node}: attention 'fp8' cannot run here: {why}. Set attention to 'cudnn'.")
     # graphs off, or not as asked, said: in the log (once per Compile node run), the model's stats, its label and the
     # editor badge
-    cfg, graphs_off, regions_inline = _graphs_under(cfg, device, node)
+    cfg, graphs_off = _graphs_under(cfg, device, node)
     clone = model.clone()
     wt = _apply_model_type()
     if clone.get_wrappers(wt, COMFY_COMPILE_KEY):
@@ -202,8 +202,8 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
     compiled.stats.graphs_off_reason = graphs_off
     if graphs_off:
         compiled.stats.degrade("CUDA graphs", graphs_off)
-    if regions_off or regions_inline:
-        compiled.stats.degrade("block_regions", regions_off or regions_inline)
+    if regions_off:
+        compiled.stats.degrade("block_regions", regions_off)
     _say_single_blocks_off(compiled, model, dm, node)
     clone.add_callback_with_key(on_load_callback_type(), COMPILE_KEY, partial_load_guard(node))
     return _install(clone, compiled)

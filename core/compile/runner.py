@@ -46,17 +46,20 @@ def one_graph():
 
 class Runner:
     """Runs one compiled model call. `compiled` is torch.compile of the whole diffusion model (fullgraph: one graph
-    per shape, a graph break is an error); `packages` (warm_start.Packages, or None) hands out the call's saved
+    per shape, a graph break is an error), or the model itself where its blocks are compiled on their own; `packages` (warm_start.Packages, or None) hands out the call's saved
     compiled function where it has one. CUDA graphs: `graphs` -- inductor's cudagraph trees (a step mark before each
     call); `call_graphs` (call_graphs.CallGraphs, or None) -- each call captured whole by FluxAccel. `paused`: the
     Comfy model compiler's answer for the last call."""
 
     def __init__(self, dm: torch.nn.Module, options: dict, graphs: bool, regions=None, packages=None,
-                 attention=sdpa_cudnn_first, call_graphs=None):
+                 attention=sdpa_cudnn_first, call_graphs=None, whole: bool = True):
         self.dm, self.graphs, self.regions, self.packages = dm, graphs, regions, packages
         self.call_graphs = call_graphs
         self.attention = attention  # the attention override FluxAccel compiles with (options.attention_override)
-        self.compiled = torch.compile(dm, backend="inductor", dynamic=False, fullgraph=True, options=options)
+        # whole: torch.compile of the whole model; else the model runs as it is and its blocks are compiled on their
+        # own through the regions' table (graph_capture "call")
+        self.compiled = torch.compile(dm, backend="inductor", dynamic=False, fullgraph=True, options=options) \
+            if whole else dm
         self.paused = False
 
     def call_kwargs(self, context, transformer_options: dict, kwargs: dict) -> dict:

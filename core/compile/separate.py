@@ -271,7 +271,7 @@ def _compile(job: dict, dm: torch.nn.Module, device: torch.device, t0: float) ->
         differs = sorted(k for k in here if here[k] != h["call"].get(k))
         return {"saved": False, "error": f"the call rebuilt in the separate process differs in {', '.join(differs)}"}
     cfg = CompileConfig(**h["config"])
-    regions = for_config(dm, cfg)
+    regions = for_config(dm, cfg, device)
     if regions is not None:
         kwargs["transformer_options"] = {**regions.transformer_options(), **kwargs["transformer_options"]}
     log.info("FluxAccel compile process: rebuilt the model and its call in %.1f s", time.perf_counter() - t0)

@@ -121,11 +121,11 @@ def test_graph_count_bounded(caplog):
 
 
 # -- the compiled FLUX model with its calls captured ----------------------------------------------------------------
-def test_compiled_flux_calls_captured_whole(fresh_dynamo):
-    """graph_capture "call" (what apply_compile picks under cudaMallocAsync): the block table traced inline (no nested
-    regions: inductor's C++ wrapper cannot compile them), FluxAccel's single-block forward kept, the model compiled
-    with the C++ wrapper and each call captured (the stand-in here): a sampling run equals the uncompiled model's
-    (float32: the C++ wrapper's CPU GEMM call refuses bf16), the second run replays every call, one dynamo graph."""
+def test_compiled_flux_blocks_compiled_on_their_own_and_calls_captured(fresh_dynamo):
+    """graph_capture "call": each kind of block compiled on its own through the block table (the C++ wrapper, as on a
+    GPU), FluxAccel's single-block forward kept, the model around the blocks uncompiled and each call captured (the
+    stand-in here): a sampling run equals the uncompiled model's (float32: the C++ wrapper's CPU GEMM call refuses
+    bf16), the second run replays every call, two dynamo graphs (one per block kind), no warm-start package."""
     import comfy.model_management as mm
 
     from fluxaccel.core.compile import block_regions
@@ -136,16 +136,23 @@ def test_compiled_flux_calls_captured_whole(fresh_dynamo):
     from support.runs import sample
 
     model = build_flux(dtype=torch.float32)
-    cfg = CompileConfig(graph_capture="call", persistent_cache=False)
-    assert not cfg.nested_regions and cfg.inductor_options(torch.device("cuda"))["cpp_wrapper"] is True
-    assert cfg.inductor_options(torch.device("cuda"))["triton.cudagraphs"] is False
+    cfg = CompileConfig(graph_capture="call", separate_process=True)
+    gpu = cfg.inductor_options(torch.device("cuda"))
+    assert not cfg.nested_regions and gpu["cpp_wrapper"] is True and gpu["triton.cudagraphs"] is False
     mm.load_models_gpu([model])
     dm = model.model.diffusion_model
-    compiled = CompiledFlux(dm, cfg, torch.device("cpu"))
-    assert compiled.regions._double is block_regions._double_body  # inline: no nested region
-    compiled.runner.compiled = torch.compile(dm, backend="inductor", dynamic=False, fullgraph=True,
-                                             options={**cfg.inductor_options(torch.device("cpu")),
-                                                      "cpp_wrapper": True})
+    # the CPU's options with the C++ wrapper the GPU's carry (graphs, and so the wrapper, are CUDA-only options)
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(CompileConfig, "inductor_options",
+                   lambda self, device: {"cpp_wrapper": True, "emulate_precision_casts": True})
+    try:
+        compiled = CompiledFlux(dm, cfg, torch.device("cpu"))
+    finally:
+        monkey.undo()
+    assert compiled.runner.compiled is dm and compiled.runner.packages is None and compiled.separate is None
+    assert compiled.regions._double is not block_regions._double  # compiled on its own, not a nested region
+    assert any(d.what == "warm start" and "graph_capture 'call'" in d.why for d in compiled.stats.degradations)
+    assert any(d.what == "compile in a separate process" for d in compiled.stats.degradations)
     compiled.runner.call_graphs = CallGraphs(capture=cpu_capture)
     clone, _ = _install(model.clone(), compiled)
     ref = sample(remove_compile(clone), steps=3)
@@ -154,37 +161,40 @@ def test_compiled_flux_calls_captured_whole(fresh_dynamo):
     cg = compiled.runner.call_graphs
     assert rel_err(first, ref) < 1e-4 and torch.equal(again, first)
     assert (cg.captures, cg.uncaptured, cg.replays) == (1, 1, 5)
-    assert fresh_dynamo["stats"]["unique_graphs"] == 1
-    assert compiled.stats.calls == 6 and compiled.stats.marks == 0
+    assert fresh_dynamo["stats"]["unique_graphs"] == 2
+    assert compiled.stats.calls == 6 and compiled.stats.marks == 0 and compiled.graphs_running is False  # CPU
 
 
-def test_capture_chosen_under_cudamallocasync(monkeypatch, caplog):
-    """Under cudaMallocAsync (ComfyUI's default) graphs are captured per call, and the block regions' nesting is said
-    to be off; without a C++ compiler graphs are off, said why."""
+def test_graph_capture_call_or_graphs_off_said(monkeypatch):
+    """graph_capture "call" runs where a C++ compiler is found, under any allocator; where it cannot, and where
+    inductor's graphs cannot run (cudaMallocAsync), graphs are off and the reason names the setting."""
     from fluxaccel.core.compile import patch
     from fluxaccel.core.compile.config import CompileConfig
     from fluxaccel.core.upstream import torch_internals
 
+    cuda = torch.device("cuda")
     monkeypatch.setattr(patch, "cuda_graph_blockers", lambda device: ["cudaMallocAsync here"])
-    cfg, off, inline = patch._graphs_under(CompileConfig(), torch.device("cuda"), "node")
-    assert cfg.graph_capture == "call" and cfg.cuda_graphs and not off
-    assert "cannot compile nested regions" in inline and "--disable-cuda-malloc" in inline
-    assert "each call captured whole" in cfg.summary() and "every block compiled" in cfg.summary()
-    cfg, off, inline = patch._graphs_under(CompileConfig(block_regions=False), torch.device("cuda"), "node")
-    assert cfg.graph_capture == "call" and not off and not inline
+    cfg, off = patch._graphs_under(CompileConfig(graph_capture="call"), cuda, "node")
+    assert cfg.captured and not off
+    assert "each model call captured whole" in cfg.summary() and "compiled once on its own" in cfg.summary()
+    cfg, off = patch._graphs_under(CompileConfig(), cuda, "node")
+    assert not cfg.cuda_graphs and "cudaMallocAsync here" in off and "graph_capture to 'call'" in off
     monkeypatch.setattr(torch_internals, "cpp_compiler", lambda: "")
-    cfg, off, inline = patch._graphs_under(CompileConfig(), torch.device("cuda"), "node")
-    assert not cfg.cuda_graphs and "cudaMallocAsync here" in off and "no C++ compiler" in off and not inline
+    cfg, off = patch._graphs_under(CompileConfig(graph_capture="call"), cuda, "node")
+    assert not cfg.cuda_graphs and "graph_capture 'call' cannot run here" in off and "no C++ compiler" in off
     monkeypatch.setattr(patch, "cuda_graph_blockers", lambda device: [])
-    cfg, off, inline = patch._graphs_under(CompileConfig(), torch.device("cuda"), "node")
-    assert cfg == CompileConfig() and not off and not inline
+    assert patch._graphs_under(CompileConfig(), cuda, "node") == (CompileConfig(), "")
+    assert patch._graphs_under(CompileConfig(graph_capture="call"), torch.device("cpu"), "node")[1] == ""
 
 
-def test_config_refuses_unknown_graph_capture():
+def test_config_refuses_what_call_capture_cannot_do():
     from fluxaccel.core.compile.config import CompileConfig
     from fluxaccel.core.errors import FluxAccelError
 
     with pytest.raises(FluxAccelError, match="graph_capture must be one of"):
         CompileConfig(graph_capture="trees")
-    assert dataclasses.replace(CompileConfig(), graph_capture="call").nested_regions is False
+    with pytest.raises(FluxAccelError, match="graph_capture 'call' compiles each kind.*turn block_regions on"):
+        CompileConfig(graph_capture="call", block_regions=False)
+    assert CompileConfig(graph_capture="call", block_regions=False, cuda_graphs=False).nested_regions is False
     assert CompileConfig(graph_capture="call", cuda_graphs=False).nested_regions is True
+    assert dataclasses.replace(CompileConfig(), graph_capture="call").captured

@@ -407,6 +407,5 @@ def test_cpp_compiler_lookup_missing(monkeypatch):
     hide(monkeypatch, "torch._inductor.cpp_builder.get_cpp_compiler")
     assert isinstance(torch_internals.cpp_compiler(), Unavailable)
     assert "cpp_builder.get_cpp_compiler" in patch.call_capture_unavailable()
-    monkeypatch.setattr(patch, "cuda_graph_blockers", lambda device: ["cudaMallocAsync"])
-    cfg, off, _ = patch._graphs_under(CompileConfig(), torch.device("cuda"), "node")
+    cfg, off = patch._graphs_under(CompileConfig(graph_capture="call"), torch.device("cuda"), "node")
     assert not cfg.cuda_graphs and "cannot be checked" in off
