@@ -11,6 +11,15 @@ log = logging.getLogger("fluxaccel.events")
 COMPILED = "fluxaccel.compiled"
 
 
+def _graphs_off(reason: str) -> str:
+    """The badge's short form of why CUDA graphs are off ("" when they are not)."""
+    if not reason:
+        return ""
+    if "graph_capture 'call' cannot run" in reason:
+        return "graph_capture 'call' cannot run here (the node's text says why)"
+    return "cudaMallocAsync: start ComfyUI with --disable-cuda-malloc, or set graph_capture 'call'"
+
+
 def compiled_state(compiled) -> dict:
     """What the Compile node's badge shows of a compiled model, read from its stats (the websocket message while it
     compiles; the Benchmark's output again, so a badge whose Compile node came from ComfyUI's cache agrees too)."""
@@ -21,7 +30,7 @@ def compiled_state(compiled) -> dict:
                   for k in st.compile_seconds],
         "graphs": compiled.graphs_running,
         "graphs_lost": "; ".join(f"{k.describe()}: {v}" for k, v in st.graphs_lost.items()),
-        "graphs_off": "cudaMallocAsync: start ComfyUI with --disable-cuda-malloc" if st.graphs_off_reason else "",
+        "graphs_off": _graphs_off(st.graphs_off_reason),
         "compile_seconds": [round(v, 1) for v in st.compile_seconds.values()],
         # shapes compiling in a separate process right now, and the calls that ran uncompiled meanwhile
         "compiling": [k.describe() for k, v in st.separate.items() if v.startswith("compiling")],
