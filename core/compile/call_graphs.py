@@ -15,6 +15,8 @@ Python launcher's pointer check, the step that fails on memory a capture allocat
     a model, and a graph replays the addresses it captured. Moved weights are captured again (counted, logged);
   * a failed capture is counted and said: its structure runs compiled without graphs from then on. What the failed
     capture allocated is kept (freeing it outside the capture aborts the process under cudaMallocAsync);
+  * a shape whose calls keep bringing new structures (an input object made anew for each call) would never replay:
+    past CHURN structures without a graph it is said, naming the first input that differs, and runs without graphs;
   * the output is copied out of graph memory (the next replay overwrites it; the sampler keeps outputs).
 """
 from __future__ import annotations
@@ -84,6 +86,25 @@ def weight_addresses(module: torch.nn.Module) -> tuple[int, ...]:
     return tuple(t.data_ptr() for t in itertools.chain(module.parameters(), module.buffers()) if t is not None)
 
 
+CHURN = 8  # structures of one shape key seen without any graph of it, past which its inputs are said to churn
+
+
+def first_difference(a, b, where: str = "call") -> str:
+    """Where two structures (structure()'s specs) first differ, as a path into the call's inputs."""
+    if a == b:
+        return ""
+    if isinstance(a, tuple) and isinstance(b, tuple) and a[:1] == b[:1] and a[:1] in (("dict",), ("list",), ("tuple",)):
+        if a[0] == "dict":
+            ka, kb = [k for k, _ in a[1]], [k for k, _ in b[1]]
+            if ka != kb:
+                return f"{where} (keys {sorted(map(str, set(ka) ^ set(kb)))})"
+            return next(first_difference(x, y, f"{where}[{k!r}]") for (k, x), (_, y) in zip(a[1], b[1]) if x != y)
+        if len(a[1]) != len(b[1]):
+            return f"{where} (length {len(a[1])} vs {len(b[1])})"
+        return next(first_difference(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a[1], b[1])) if x != y)
+    return where
+
+
 @dataclass
 class Graph:
     graph: object
@@ -111,6 +132,8 @@ class CallGraphs:
     recaptures: int = 0
     uncaptured: int = 0
     over_limit: int = 0
+    last: dict = field(default_factory=dict)  # per shape key: its latest structure, and how many it has had
+    churn: dict = field(default_factory=dict)  # shape keys whose inputs change at every call, with where
 
     def __call__(self, key, model: torch.nn.Module, fn: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
         """fn(*args, **kwargs), through this call structure's graph where there is one. `model`: whose weights the
@@ -125,8 +148,8 @@ class CallGraphs:
             del self.graphs[spec]
             g = None
         if g is None:
-            if spec in self.failed or spec not in self.seen or not self._room(key):
-                self.seen.add(spec)
+            if spec in self.failed or key in self.churn or spec not in self.seen or not self._room(key):
+                self._see(key, spec)
                 self.uncaptured += 1
                 return fn(*args, **kwargs)
             g = self._capture(spec, key, model, fn, args, kwargs, tensors, objects)
@@ -139,6 +162,19 @@ class CallGraphs:
         g.graph.replay()
         self.replays += 1
         return g.out.clone()
+
+    def _see(self, key, spec) -> None:
+        """Remember a structure's first call; a shape whose structures keep changing with no graph is said once."""
+        if spec in self.seen or key in self.churn:
+            return
+        self.seen.add(spec)
+        before, n = self.last.get(key, (None, 0))
+        self.last[key] = (spec, n + 1)
+        if n + 1 > CHURN and not any(k == key for k, _ in self.graphs):
+            where = first_difference(before[1], spec[1]) if before is not None else "?"
+            self.churn[key] = f"its inputs change at every call ({where} differs), so no graph is ever replayed"
+            self.seen = {s for s in self.seen if s[0] != key}
+            log.warning("FluxAccel: %s: %s; it runs compiled without a graph", key.describe(), self.churn[key])
 
     def _room(self, key) -> bool:
         if len(self.graphs) < self.limit:
@@ -176,5 +212,5 @@ class CallGraphs:
                 "failed": {k.describe(): why for k, why in self.failures().items()}}
 
     def failures(self) -> dict:
-        """The shape keys whose capture failed, with why."""
-        return {spec[0]: why for spec, why in self.failed.items()}
+        """The shape keys running without graphs (a capture failed, or their inputs change at every call), with why."""
+        return {**{spec[0]: why for spec, why in self.failed.items()}, **self.churn}

@@ -134,7 +134,7 @@ class CompiledFlux(torch.nn.Module):
         if not self.graphs_active:
             return False
         if self.runner.call_graphs is not None:
-            return not self.runner.call_graphs.failed
+            return not self.runner.call_graphs.failures()
         return not self.stats.graph_skips and not self.stats.graphs_lost
 
     def derive(self) -> "CompiledFlux":

@@ -176,11 +176,11 @@ class Telemetry:
     def _check_captures(self) -> None:
         """FluxAccel's own captures (call_graphs.py): a shape whose capture failed is lost to graphs (said once)."""
         graphs = self.compiled.runner.call_graphs
-        if graphs is None or not graphs.failed:
+        if graphs is None or not (graphs.failed or graphs.churn):
             return
         for key, why in graphs.failures().items():
             if key not in self.compiled.stats.graphs_lost:
-                self._lose(key, f"its CUDA graph could not be captured ({why}): it runs compiled without a graph")
+                self._lose(key, f"no CUDA graph for it ({why}): it runs compiled without a graph")
 
     def _lose(self, key: ShapeKey, why: str) -> None:
         st = self.compiled.stats

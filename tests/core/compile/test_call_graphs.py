@@ -110,6 +110,35 @@ def test_failed_capture_counted_kept_and_run_without_a_graph(caplog):
     assert cg.counts()["failed"] == {KEY.describe(): "RuntimeError: operation not permitted when stream is capturing"}
 
 
+def test_inputs_that_change_at_every_call_are_said_not_replayed(caplog):
+    """An input object made anew for each call (a structure never seen twice): past CHURN structures the shape is
+    said to run without graphs, naming the input; the calls stay right, and another shape still gets its graph."""
+    from fluxaccel.core.compile.call_graphs import CHURN
+
+    m = Scale()
+    cg = CallGraphs(capture=cpu_capture)
+    outs = [cg(KEY, m, lambda x, t, opts: x * 2 + t, (torch.full((2,), float(i)), torch.zeros(1)),
+               {"opts": {"stable": 1, "per_call": object()}}) for i in range(CHURN + 3)]
+    assert [o.tolist()[0] for o in outs] == [2.0 * i for i in range(CHURN + 3)]
+    assert cg.captures == 0 and cg.uncaptured == CHURN + 3 and set(cg.failures()) == {KEY}
+    assert "call[1]['opts']['per_call'] differs" in cg.failures()[KEY]
+    assert len(cg.seen) == 0  # what was remembered for the shape is let go
+    assert sum("no graph is ever replayed" in r.getMessage() for r in caplog.records) == 1
+    for _ in range(3):
+        cg(OTHER, m, m, (torch.ones(3), torch.zeros(1)), {})
+    assert cg.captures == 1 and cg.replays == 2
+
+
+def test_first_difference_names_the_input():
+    from fluxaccel.core.compile.call_graphs import first_difference
+
+    a = structure(((torch.ones(2),), {"o": {"k": 1, "f": "x"}}))[0]
+    assert first_difference(a, structure(((torch.ones(2),), {"o": {"k": 2, "f": "x"}}))[0]) == "call[1]['o']['k']"
+    assert first_difference(a, structure(((torch.ones(3),), {"o": {"k": 1, "f": "x"}}))[0]) == "call[0][0]"
+    assert first_difference(a, structure(((torch.ones(2),), {"o": {"k": 1}}))[0]) == "call[1]['o'] (keys ['f'])"
+    assert first_difference(a, a) == ""
+
+
 def test_graph_count_bounded(caplog):
     m = Scale()
     cg = CallGraphs(limit=2, capture=cpu_capture)
