@@ -213,6 +213,8 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
         path.write_text(json.dumps({
             **meta, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "complete": complete, "host_memory": memory, "results": rows}, indent=1) + "\n")
+        if server.log_path.exists():  # ComfyUI's own log next to the JSON (what each node said), so far
+            shutil.copy(server.log_path, path.with_suffix(".comfyui.log"))
 
     with tempfile.TemporaryDirectory(prefix="fluxaccel-first-") as work:
         server = ComfyServer(comfy_dir, Path(work), Path(a.models_dir), tuple(server_args), cpu_fp8=meta["gpu"] == "cpu",
@@ -260,9 +262,7 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
                 write(complete=False)
         finally:
             server.stop()
-            if server.log_path.exists():  # ComfyUI's own log next to the JSON (what each node said)
-                shutil.copy(server.log_path, path.with_suffix(".comfyui.log"))
-    write(complete=True)
+        write(complete=True)
     for r in rows:
         print(f"{r['config']:>14}: first prompt {r['first_prompt_s']:.2f} s, second {r['second_prompt_s']:.2f} s")
     print(f"({meta['start']}: {meta['start_detail']}; peak host RSS {memory.get('server_peak_rss_gib')} GiB) wrote {path}")
