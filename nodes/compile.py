@@ -14,8 +14,9 @@ class Compile(io.ComfyNode):
             node_id=ids.COMPILE,
             display_name="Compile + CUDA Graph (FluxAccel)",
             category=ids.CATEGORY,
-            description="torch.compile of the whole FLUX diffusion model (never per block) with CUDA graphs, for "
-                        "fixed-shape latents. Put it after Quantize FP8; add Warmup to compile before the first prompt.",
+            description="torch.compile of the whole FLUX diffusion model with CUDA graphs, for fixed-shape latents "
+                        "(graph_capture 'call': each kind of block compiled on its own, each model call captured). "
+                        "Put it after Quantize FP8; add Warmup to compile before the first prompt.",
             inputs=[
                 io.Model.Input("model", tooltip="A FLUX.1, FLUX.2 or Chroma model, optionally FP8-quantized by FluxAccel."),
                 io.Boolean.Input("cuda_graphs", default=True,

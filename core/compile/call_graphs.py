@@ -1,9 +1,10 @@
-"""CUDA graphs of whole compiled calls, captured by FluxAccel, under any CUDA allocator.
+"""CUDA graphs of whole model calls, captured by FluxAccel, under any CUDA allocator (the Compile node's graph_capture
+"call").
 
-Inductor's cudagraph trees do not run under PyTorch's cudaMallocAsync allocator, ComfyUI's default. Where that
-allocator runs, the compiled call is built with inductor's C++ wrapper (which launches its kernels without the
-Python launcher's pointer check, the step that fails on memory a capture allocates) and captured here whole, into one
-`torch.cuda.CUDAGraph` per call structure:
+Inductor's cudagraph trees do not run under PyTorch's cudaMallocAsync allocator, ComfyUI's default. With graph_capture
+"call" the blocks are compiled on their own with inductor's C++ wrapper (which launches its kernels without the Python
+launcher's pointer check, the step that fails on memory a capture allocates; block_regions.for_config), the model
+around them runs uncompiled, and each call is captured here whole, into one `torch.cuda.CUDAGraph` per call structure:
 
   * a structure's first call runs uncaptured (it compiles or loads the compiled call, and does first-launch work such
     as loading kernels); its second is captured with static copies of its tensor inputs, then replayed; later calls
@@ -16,7 +17,9 @@ Python launcher's pointer check, the step that fails on memory a capture allocat
   * a failed capture is counted and said: its structure runs compiled without graphs from then on. What the failed
     capture allocated is kept (freeing it outside the capture aborts the process under cudaMallocAsync);
   * a shape whose calls keep bringing new structures (an input object made anew for each call) would never replay:
-    past CHURN structures without a graph it is said, naming the first input that differs, and runs without graphs;
+    past CHURN structures met once and never again it is said, naming the first input that differs, and runs without
+    graphs. A structure's objects are kept while it is remembered, so that a freed object's id, reused by the next
+    one, never passes for it;
   * the output is copied out of graph memory (the next replay overwrites it; the sampler keeps outputs).
 """
 from __future__ import annotations
@@ -86,7 +89,7 @@ def weight_addresses(module: torch.nn.Module) -> tuple[int, ...]:
     return tuple(t.data_ptr() for t in itertools.chain(module.parameters(), module.buffers()) if t is not None)
 
 
-CHURN = 8  # structures of one shape key seen without any graph of it, past which its inputs are said to churn
+CHURN = 8  # structures of one shape key met once and not again, past which its inputs are said to churn
 
 
 def first_difference(a, b, where: str = "call") -> str:
@@ -124,7 +127,7 @@ class CallGraphs:
     limit: int = 8
     capture: Capture = cuda_capture
     graphs: dict = field(default_factory=dict)
-    seen: set = field(default_factory=set)
+    seen: dict = field(default_factory=dict)  # structures met once, not captured, with their objects (see the notes)
     failed: dict = field(default_factory=dict)
     kept: list = field(default_factory=list)  # what failed captures allocated (see the module's notes)
     replays: int = 0
@@ -132,7 +135,7 @@ class CallGraphs:
     recaptures: int = 0
     uncaptured: int = 0
     over_limit: int = 0
-    last: dict = field(default_factory=dict)  # per shape key: its latest structure, and how many it has had
+    last: dict = field(default_factory=dict)  # per shape key: the structure met before (to say what differs)
     churn: dict = field(default_factory=dict)  # shape keys whose inputs change at every call, with where
 
     def __call__(self, key, model: torch.nn.Module, fn: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -146,10 +149,11 @@ class CallGraphs:
             log.warning("FluxAccel: the model's weights moved since the CUDA graph of %s was captured (ComfyUI "
                         "reloaded it): capturing it again", key.describe())
             del self.graphs[spec]
+            self.seen[spec] = objects  # known: captured again now
             g = None
         if g is None:
             if spec in self.failed or key in self.churn or spec not in self.seen or not self._room(key):
-                self._see(key, spec)
+                self._see(key, spec, objects)
                 self.uncaptured += 1
                 return fn(*args, **kwargs)
             g = self._capture(spec, key, model, fn, args, kwargs, tensors, objects)
@@ -163,17 +167,16 @@ class CallGraphs:
         self.replays += 1
         return g.out.clone()
 
-    def _see(self, key, spec) -> None:
-        """Remember a structure's first call; a shape whose structures keep changing with no graph is said once."""
+    def _see(self, key, spec, objects: list) -> None:
+        """Remember a structure's first call; a shape whose structures keep changing with no replay is said once."""
         if spec in self.seen or key in self.churn:
             return
-        self.seen.add(spec)
-        before, n = self.last.get(key, (None, 0))
-        self.last[key] = (spec, n + 1)
-        if n + 1 > CHURN and not any(k == key for k, _ in self.graphs):
+        self.seen[spec] = objects
+        before, self.last[key] = self.last.get(key), spec
+        if sum(s[0] == key for s in self.seen) > CHURN:
             where = first_difference(before[1], spec[1]) if before is not None else "?"
-            self.churn[key] = f"its inputs change at every call ({where} differs), so no graph is ever replayed"
-            self.seen = {s for s in self.seen if s[0] != key}
+            self.churn[key] = f"its inputs change at every call ({where} differs), so no graph is replayed"
+            self.seen = {s: o for s, o in self.seen.items() if s[0] != key}
             log.warning("FluxAccel: %s: %s; it runs compiled without a graph", key.describe(), self.churn[key])
 
     def _room(self, key) -> bool:
@@ -199,6 +202,7 @@ class CallGraphs:
                         "a graph from now on", key.describe(), why)
             return None
         self.captures += 1
+        self.seen.pop(spec, None)
         log.info("FluxAccel: captured the CUDA graph of %s in %.2f s (%d graph(s) for this model)", key.describe(),
                  time.perf_counter() - t0, len(self.graphs) + 1)
         g = Graph(graph, inputs, out, weight_addresses(model), objects)

@@ -6,8 +6,8 @@ Recipe, in order (each step's why):
   2. compile the *whole* diffusion model, dynamic=False -- one graph per shape; per-block (regional) compile
      with CUDA graphs overwrites block outputs between replays. With block_regions the repeated FLUX blocks are
      nested compile regions inside that one graph (block_regions.py): each kind compiled once, reused 19/38 times
-  3. capture CUDA graphs (inductor's cudagraph trees; under cudaMallocAsync, each call whole by call_graphs.py) --
-     removes per-kernel launch overhead
+  3. capture CUDA graphs (inductor's cudagraph trees; with graph_capture "call" the blocks compiled on their own
+     and each call captured whole, call_graphs.py, also under cudaMallocAsync) -- removes kernel-launch overhead
   4. warm up at every shape the workflow uses (Warmup node) -- compile/capture before the first real prompt
 """
 from __future__ import annotations

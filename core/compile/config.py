@@ -74,12 +74,13 @@ class CompileConfig:
                   "recompile": f"up to {self.max_shapes} shapes, each compiled when first met",
                   "eager_fallback": "the first shape compiled, others run uncompiled (counted)"}[self.resolution_policy]
         return "; ".join([
-            "whole model, compiled on first use" + (f" (mode {self.mode})" if self.mode != "default" else ""),
+            ("each kind of block" if self.captured else "whole model") + ", compiled on first use" +
+            (f" (mode {self.mode})" if self.mode != "default" else ""),
             "CUDA graphs " + ("off" if not self.cuda_graphs else "on" if self.graph_capture == "inductor" else
                               "on (each model call captured whole)"),
             f"shapes: {policy}",
-            ("each kind of block compiled once on its own, inductor's C++ wrapper" if self.captured else
-             "repeated blocks compiled once") if self.block_regions else "every block compiled",
+            ("the model around the blocks uncompiled, the blocks through inductor's C++ wrapper" if self.captured
+             else "repeated blocks compiled once") if self.block_regions else "every block compiled",
             *(["single blocks without the concatenation before linear2 where Quantize FP8 fused the GELU"]
               if self.block_regions and self.single_blocks == "fluxaccel" else []),
             *(["FP8 attention (FlashAttention-3), Q/K scales " + ("from the QK-norm bound" if self.block_regions

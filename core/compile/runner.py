@@ -46,8 +46,8 @@ def one_graph():
 
 class Runner:
     """Runs one compiled model call. `compiled` is torch.compile of the whole diffusion model (fullgraph: one graph
-    per shape, a graph break is an error), or the model itself where its blocks are compiled on their own; `packages` (warm_start.Packages, or None) hands out the call's saved
-    compiled function where it has one. CUDA graphs: `graphs` -- inductor's cudagraph trees (a step mark before each
+    per shape, a graph break is an error), or the model itself where its blocks are compiled on their own; `packages`
+    (warm_start.Packages, or None) hands out the call's saved compiled function where it has one. CUDA graphs: `graphs` -- inductor's cudagraph trees (a step mark before each
     call); `call_graphs` (call_graphs.CallGraphs, or None) -- each call captured whole by FluxAccel. `paused`: the
     Comfy model compiler's answer for the last call."""
 
