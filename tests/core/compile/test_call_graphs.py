@@ -241,3 +241,33 @@ def test_config_refuses_what_call_capture_cannot_do():
     assert CompileConfig(graph_capture="call", block_regions=False, cuda_graphs=False).nested_regions is False
     assert CompileConfig(graph_capture="call", cuda_graphs=False).nested_regions is True
     assert dataclasses.replace(CompileConfig(), graph_capture="call").captured
+
+
+def test_call_mode_through_apply_compile_and_warmup(tiny_flux, fresh_dynamo):
+    """graph_capture "call" as the Compile node sets it, on ComfyUI's real objects (CPU: blocks compiled on their own,
+    no capture): the denoiser as eager's, Warmup compiles both block kinds before the first prompt and the prompts
+    after compile nothing, the label carries no '+regions' (no nested regions), the stats name the mode."""
+    import comfy.sample
+
+    from fluxaccel.core.bench.metrics import rel_err
+    from fluxaccel.core.compile.config import CompileConfig
+    from fluxaccel.core.compile.patch import apply_compile, compiled_of
+    from fluxaccel.core.compile.warmup import warmup
+    from fluxaccel.core.patches import describe, label
+    from support.models import synthetic_conditioning
+    from support.runs import denoise_once
+
+    ref = denoise_once(tiny_flux, hw=16)
+    clone, compiled = apply_compile(tiny_flux, CompileConfig(graph_capture="call"))
+    assert compiled.runner.compiled is compiled._dm and compiled.runner.call_graphs is None  # CPU: nothing to capture
+    assert rel_err(denoise_once(clone, hw=16), ref) < 2e-2
+    assert fresh_dynamo["stats"]["unique_graphs"] == 2
+    model, secs = warmup(clone, [(128, 128)], text_length=16, steps=2)
+    assert fresh_dynamo["stats"]["unique_graphs"] == 2 and len(secs) == 1  # the blocks were compiled at this shape
+    pos = synthetic_conditioning("tiny", text_len=16, seed=42)
+    latent = torch.zeros(1, 16, 16, 16)
+    comfy.sample.sample(model, comfy.sample.prepare_noise(latent, 7), 3, 1.0, "euler", "simple", pos, pos, latent,
+                        disable_pbar=True, seed=7)
+    assert fresh_dynamo["stats"]["unique_graphs"] == 2
+    assert label(model).endswith("+compile") and describe(model)["compile"]["graph_capture"] == "call"
+    assert compiled_of(model).cfg.captured
