@@ -152,17 +152,48 @@ def _single_replacement(block, own_forward: bool, single=_single):
     return replace
 
 
-def for_config(dm: torch.nn.Module, cfg, device: torch.device) -> "BlockRegions | None":
+def for_config(dm: torch.nn.Module, cfg, device: torch.device, packages=None) -> "BlockRegions | None":
     """The block table a compile config asks for (None without block_regions): nested regions inside the whole-model
     compile, or with graph_capture "call" each kind of block compiled on its own (inductor's C++ wrapper, which
-    refuses nested regions; the model around the blocks runs uncompiled and FluxAccel captures the whole call)."""
+    refuses nested regions; the model around the blocks runs uncompiled and FluxAccel captures the whole call), through
+    warm-start packages where `packages` (warm_start.Packages) is given."""
     if not cfg.block_regions:
         return None
     if cfg.nested_regions:
         return BlockRegions(dm, cfg.single_blocks)
     options = cfg.inductor_options(device)
-    return BlockRegions(dm, cfg.single_blocks, compile_blocks=lambda fn: torch.compile(
-        fn, backend="inductor", dynamic=False, fullgraph=True, options=options))
+    regions = BlockRegions(dm, cfg.single_blocks)
+
+    def compiled(fn):
+        fn_compiled = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True, options=options)
+        return fn_compiled if packages is None else _Packaged(fn, fn_compiled, packages, regions)
+
+    regions._double, regions._single = compiled(_double_body), compiled(_single_body)
+    return regions
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCall:
+    """One kind of block at one shape: what a per-block warm-start package stands for (its outcome's key)."""
+
+    shape: object  # the call's ShapeKey
+    kind: str
+
+    def describe(self) -> str:
+        return f"{self.kind} blocks at {self.shape.describe()}"
+
+
+class _Packaged:
+    """A block body compiled through warm-start packages (one per block kind and call signature): loaded in a
+    restarted ComfyUI instead of traced again; torch.compile where a call cannot have one (the log says why)."""
+
+    def __init__(self, fn, fn_compiled, packages, regions: "BlockRegions"):
+        self.fn, self.fn_compiled, self.packages, self.regions = fn, fn_compiled, packages, regions
+        self.kind = DOUBLE if fn is _double_body else SINGLE
+
+    def __call__(self, block, *args):
+        package = self.packages.get(BlockCall(self.regions.shape, self.kind), block, args, {}, fn=self.fn)
+        return self.fn_compiled(block, *args) if package is None else package(block, *args)
 
 
 class BlockRegions:
@@ -171,6 +202,7 @@ class BlockRegions:
 
     def __init__(self, dm: torch.nn.Module, single_blocks: str = "comfyui", compile_blocks=None):
         self._dm = dm
+        self.shape = None  # the shape key of the call running (set by the runner; per-block packages name it)
         self._own_single = single_blocks == "fluxaccel"
         self._blocks: tuple = ()
         self._table: dict = {}

@@ -19,6 +19,7 @@ import logging
 import torch
 
 from .config import MODES, POLICIES, CompileConfig  # noqa: F401  (the compile config's home is config.py)
+from .block_regions import for_config
 from .call_graphs import CallGraphs
 from .runner import Runner
 from .shapes import ShapeKey, ShapePolicy, dtype_name, shape_key, without_references  # noqa: F401
@@ -42,18 +43,16 @@ class CompiledFlux(torch.nn.Module):
         self.references = references  # whether the architecture reads reference latents (models/profiles.py)
         self.stats = CompileStats()
         self.policy = ShapePolicy(cfg.resolution_policy, cfg.max_shapes)
-        from .block_regions import for_config
-
-        self.regions = for_config(dm, cfg, self.device)
-        self.cache, packages = self._persistence(dm, variant, layout)
+        self.cache, self.packages = self._persistence(dm, variant, layout)
         # graphs: inductor's (trees, whole-model compile), or FluxAccel's capture of each call (blocks on their own)
+        self.regions = for_config(dm, cfg, self.device, self.packages if cfg.captured else None)
         self.runner = Runner(dm, cfg.inductor_options(self.device), cfg.cuda_graphs and not cfg.captured,
-                             self.regions, packages, attention=attention_override(cfg.attention),
+                             self.regions, None if cfg.captured else self.packages,
+                             attention=attention_override(cfg.attention), whole=not cfg.captured,
                              call_graphs=CallGraphs(limit=2 * cfg.max_shapes)
-                             if cfg.captured and self.device.type == "cuda" else None,
-                             whole=not cfg.captured)
+                             if cfg.captured and self.device.type == "cuda" else None)
         self.telemetry = Telemetry(self)
-        self.separate = self._separate(packages)
+        self.separate = self._separate(self.packages)
         self.here = False  # compiling_here(): Warmup and Benchmark compile in this process
 
     def _persistence(self, dm, variant: str, layout: str | None):
@@ -66,13 +65,11 @@ class CompiledFlux(torch.nn.Module):
         cache = KernelCache(cache_key(dm, self.cfg, self.device, variant, layout))
         self.stats.cache_loaded = cache.load()
         usable, why = available() if self.cfg.warm_start else (False, "warm_start off in the compile config")
-        if usable and self.cfg.captured:
-            usable, why = False, ("graph_capture 'call' compiles the blocks on their own, which warm-start packages "
-                                  "do not hold yet")
         if usable:
             packages = Packages(WarmStart(cache.key, cache.dir), self.cfg.inductor_options(self.device))
-            # a restart: the saved packages load while ComfyUI moves the weights, not at the first model call
-            packages.prefetch(self.cfg.max_shapes, self.device)
+            # a restart: the saved packages load while ComfyUI moves the weights, not at the first model call (with
+            # graph_capture "call" one package per block kind and shape)
+            packages.prefetch(self.cfg.max_shapes * (2 if self.cfg.captured else 1), self.device)
             return cache, packages
         self.stats.warm_start_off = why
         if self.cfg.warm_start:
@@ -84,15 +81,18 @@ class CompiledFlux(torch.nn.Module):
         """The separate-process compiles (separate.py) where the config asks for them and packages carry them back."""
         if not self.cfg.separate_process:
             return None
-        if packages is None:
+        if self.cfg.captured:
+            why = "graph_capture 'call' compiles its blocks in the model's first call (not in a separate process yet)"
+        elif packages is None:
             off = self.stats.warm_start_off or "the compile cache is off"
             why = f"it needs warm-start packages, and there are none here ({off})"
-            self.stats.degrade("compile in a separate process", f"{why}; a new shape compiles in its first call")
-            log.warning("FluxAccel: no compile in a separate process: %s; a new shape compiles in its first call", why)
-            return None
-        from .separate import SeparateCompiles
+        else:
+            from .separate import SeparateCompiles
 
-        return SeparateCompiles(packages.store, self.cfg, self.device)
+            return SeparateCompiles(packages.store, self.cfg, self.device)
+        self.stats.degrade("compile in a separate process", f"{why}; a new shape compiles in its first call")
+        log.warning("FluxAccel: no compile in a separate process: %s; a new shape compiles in its first call", why)
+        return None
 
     @contextlib.contextmanager
     def compiling_here(self):

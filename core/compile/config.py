@@ -42,7 +42,7 @@ class CompileConfig:
     # who makes the CUDA graphs: "inductor" -- its cudagraph trees over the whole-model compile, which need PyTorch's
     # native allocator (ComfyUI --disable-cuda-malloc); "call" -- each kind of block compiled on its own with
     # inductor's C++ wrapper and each model call captured whole by FluxAccel (call_graphs.py), under any allocator
-    # (ComfyUI's default cudaMallocAsync included), without warm-start packages or a separate-process compile yet
+    # (ComfyUI's default cudaMallocAsync included); a warm-start package per block kind, no separate-process compile
     graph_capture: Literal["inductor", "call"] = "inductor"
 
     def __post_init__(self):

@@ -229,7 +229,7 @@ class SeparateCompiles:
             sig = signature((x, timestep), portable(call_kwargs))
         except NotPackageable:
             return None
-        if compiled.runner.packages.on_disk(sig):
+        if compiled.packages.on_disk(sig):
             return None
         job = self.start(key, sig, compiled.runner.dm, (x, timestep), call_kwargs)
         compiled.stats.separate[key] = job.describe()

@@ -90,14 +90,15 @@ class Telemetry:
         self.notify()
 
     def _record_compile(self, key: ShapeKey, seconds: float, phases_before: dict, skips_before: int | None) -> None:
-        st, packages = self.compiled.stats, self.compiled.runner.packages
+        st, packages = self.compiled.stats, self.compiled.packages
         st.compile_seconds[key] = seconds
         phases = {k: round(v - phases_before.get(k, 0), 2) for k, v in phase_totals().items()
                   if v - phases_before.get(k, 0) > 0}
-        if packages is not None and key in packages.outcome:
-            st.warm_start[key] = packages.outcome[key]
-            if key in packages.load_seconds:
-                phases["warm_start_load"] = packages.load_seconds[key]
+        outcome, load_seconds = packages.outcome_of(key) if packages is not None else (None, None)
+        if outcome is not None:
+            st.warm_start[key] = outcome
+            if load_seconds is not None:
+                phases["warm_start_load"] = load_seconds
         st.compile_phases[key] = {**st.compile_phases.get(key, {}), **phases}
         if st.warm_start.get(key) == "loaded":
             log.info("FluxAccel: loaded %s from its warm-start package in %.1f s (nothing compiled)", key.describe(),

@@ -116,13 +116,14 @@ def _no_guards(entries) -> list[bool]:
     return [False] * len(entries)
 
 
-def aot_compile(dm: torch.nn.Module, options: dict, args: tuple, kwargs: dict) -> Callable:
-    """Trace and compile one call of dm (its class's forward, dm passed as self) ahead of running it."""
+def aot_compile(dm: torch.nn.Module, options: dict, args: tuple, kwargs: dict, fn: Callable | None = None) -> Callable:
+    """Trace and compile one call of dm (its class's forward, dm passed as self; or `fn`, a module-level function
+    taking dm first, e.g. a block's body) ahead of running it."""
     # torch 2.9-2.11: off by default, and read when torch.compile wraps the function (for this call only)
     with TORCH_COMPILE_LOCK, torch_internals.enable_aot_compile():
-        fn = torch.compile(type(dm).forward, backend="inductor", fullgraph=True, dynamic=False,
-                           options={**options, "guard_filter_fn": _no_guards})
-        compiled = fn.aot_compile(((dm, *args), kwargs))
+        target = torch.compile(fn or type(dm).forward, backend="inductor", fullgraph=True, dynamic=False,
+                               options={**options, "guard_filter_fn": _no_guards})
+        compiled = target.aot_compile(((dm, *args), kwargs))
     _skip_guard_check(compiled)
     return compiled
 
@@ -270,10 +271,14 @@ class Packages:
         """Whether this signature's package is loaded, loading, or on disk."""
         return sig in self.calls or sig in self.pending or self.store.path(sig).is_file()
 
-    def get(self, key, dm: torch.nn.Module, args: tuple, kwargs: dict, loading=None) -> Callable | None:
-        """This call's compiled function (dm is passed as its first argument), or None: torch.compile runs it."""
+    def get(self, key, dm: torch.nn.Module, args: tuple, kwargs: dict, loading=None,
+            fn: Callable | None = None) -> Callable | None:
+        """This call's compiled function (dm is passed as its first argument), or None: torch.compile runs it. fn: a
+        module-level function to compile in place of dm's forward (its name is part of the signature)."""
         try:
-            sig = signature(args, portable(kwargs))
+            named = args if fn is None else (f"{fn.__module__}.{fn.__qualname__}",
+                                             f"{type(dm).__module__}.{type(dm).__qualname__}", *args)
+            sig = signature(named, portable(kwargs))
         except NotPackageable as e:
             self.settle()  # torch.compile traces this call: not while a package loads in the background
             if key not in self.outcome:
@@ -282,8 +287,21 @@ class Packages:
                             "which a restarted ComfyUI traces again", key.describe(), e)
             return None
         if sig not in self.calls:
-            self.calls[sig] = self._load_or_compile(key, sig, dm, args, kwargs, loading)
+            self.calls[sig] = self._load_or_compile(key, sig, dm, args, kwargs, loading, fn)
         return self.calls[sig]
+
+    def outcome_of(self, key) -> tuple[str | None, float | None]:
+        """(how this shape's compiled call came about, seconds its packages took to load): its own outcome, or that of
+        its per-block packages (graph_capture "call": one per block kind, keyed by an object whose .shape is key)."""
+        if key in self.outcome:
+            return self.outcome[key], self.load_seconds.get(key)
+        parts = [(k, v) for k, v in self.outcome.items() if getattr(k, "shape", None) == key]
+        if not parts:
+            return None, None
+        said = {v for _, v in parts}
+        outcome = next(iter(said)) if len(said) == 1 else "; ".join(f"{k.describe()}: {v}" for k, v in parts)
+        seconds = [self.load_seconds[k] for k, _ in parts if k in self.load_seconds]
+        return outcome, (round(sum(seconds), 2) if seconds else None)
 
     def settle(self) -> None:
         """Wait for the background loads (their outcome is taken by the first call of their signature)."""
@@ -291,19 +309,19 @@ class Packages:
             with contextlib.suppress(Exception):
                 fut.result()
 
-    def _load_or_compile(self, key, sig: str, dm, args: tuple, kwargs: dict, loading) -> Callable | None:
+    def _load_or_compile(self, key, sig: str, dm, args: tuple, kwargs: dict, loading, fn=None) -> Callable | None:
         t0 = time.perf_counter()
         early = self.pending.pop(sig, None)
         with loading() if loading is not None else contextlib.nullcontext():
             # started by prefetch: wait for it unless it has not begun (then loaded here, as without prefetch)
-            fn = early.result() if early is not None and not early.cancel() else self.store.load(sig, self.options)
-        if fn is not None:
+            loaded = early.result() if early is not None and not early.cancel() else self.store.load(sig, self.options)
+        if loaded is not None:
             counts["loaded"] += 1
             self.outcome[key], self.load_seconds[key] = "loaded", round(time.perf_counter() - t0, 2)
-            return fn
+            return loaded
         breaks = torch_internals.graph_break_error()
         try:
-            fn = aot_compile(dm, self.options, args, kwargs)
+            compiled = aot_compile(dm, self.options, args, kwargs, fn)
         except Exception as e:  # noqa: BLE001 -- any failure to package: said, and torch.compile runs the call
             if isinstance(breaks, type) and isinstance(e, breaks):
                 raise  # not one graph: the runner turns it into an error (runner.one_graph)
@@ -312,5 +330,5 @@ class Packages:
                         "torch.compile instead, which a restarted ComfyUI traces again", key.describe(),
                         _first_line(e))
             return None
-        self.outcome[key] = "saved" if self.store.save(sig, fn) else "compiled, not saved (see the log)"
-        return fn
+        self.outcome[key] = "saved" if self.store.save(sig, compiled) else "compiled, not saved (see the log)"
+        return compiled

@@ -164,11 +164,13 @@ def test_graph_count_bounded(caplog):
 
 
 # -- the compiled FLUX model with its calls captured ----------------------------------------------------------------
+@pytest.mark.fresh_compile
 def test_compiled_flux_blocks_compiled_on_their_own_and_calls_captured(fresh_dynamo):
     """graph_capture "call": each kind of block compiled on its own through the block table (the C++ wrapper, as on a
     GPU), FluxAccel's single-block forward kept, the model around the blocks uncompiled and each call captured (the
     stand-in here): a sampling run equals the uncompiled model's (float32: the C++ wrapper's CPU GEMM call refuses
-    bf16), the second run replays every call, two dynamo graphs (one per block kind), no warm-start package."""
+    bf16), the second run replays every call, two dynamo graphs (one per block kind), each saved as a warm-start
+    package; a new CompiledFlux (what a restarted ComfyUI builds) loads both and traces nothing, with the same output."""
     import comfy.model_management as mm
 
     from fluxaccel.core.compile import block_regions
@@ -184,20 +186,21 @@ def test_compiled_flux_blocks_compiled_on_their_own_and_calls_captured(fresh_dyn
     assert not cfg.nested_regions and gpu["cpp_wrapper"] is True and gpu["triton.cudagraphs"] is False
     mm.load_models_gpu([model])
     dm = model.model.diffusion_model
-    # the CPU's options with the C++ wrapper the GPU's carry (graphs, and so the wrapper, are CUDA-only options)
-    monkey = pytest.MonkeyPatch()
-    monkey.setattr(CompileConfig, "inductor_options",
-                   lambda self, device: {"cpp_wrapper": True, "emulate_precision_casts": True})
-    try:
-        compiled = CompiledFlux(dm, cfg, torch.device("cpu"))
-    finally:
-        monkey.undo()
+
+    def compiled_flux():
+        # the CPU's options with the C++ wrapper the GPU's carry (graphs, and so the wrapper, are CUDA-only options)
+        with pytest.MonkeyPatch.context() as monkey:
+            monkey.setattr(CompileConfig, "inductor_options",
+                           lambda self, device: {"cpp_wrapper": True, "emulate_precision_casts": True})
+            c = CompiledFlux(dm, cfg, torch.device("cpu"))
+        c.runner.call_graphs = CallGraphs(capture=cpu_capture)
+        return c, _install(model.clone(), c)[0]
+
+    compiled, clone = compiled_flux()
     assert compiled.runner.compiled is dm and compiled.runner.packages is None and compiled.separate is None
     assert compiled.regions._double is not block_regions._double  # compiled on its own, not a nested region
-    assert any(d.what == "warm start" and "graph_capture 'call'" in d.why for d in compiled.stats.degradations)
-    assert any(d.what == "compile in a separate process" for d in compiled.stats.degradations)
-    compiled.runner.call_graphs = CallGraphs(capture=cpu_capture)
-    clone, _ = _install(model.clone(), compiled)
+    assert any(d.what == "compile in a separate process" and "graph_capture 'call'" in d.why
+               for d in compiled.stats.degradations)
     ref = sample(remove_compile(clone), steps=3)
     first = sample(clone, steps=3)
     again = sample(clone, steps=3)
@@ -206,6 +209,11 @@ def test_compiled_flux_blocks_compiled_on_their_own_and_calls_captured(fresh_dyn
     assert (cg.captures, cg.uncaptured, cg.replays) == (1, 1, 5)
     assert fresh_dynamo["stats"]["unique_graphs"] == 2
     assert compiled.stats.calls == 6 and compiled.stats.marks == 0 and compiled.graphs_running is False  # CPU
+    assert list(compiled.stats.warm_start.values()) == ["saved"]
+    assert len(compiled.packages.store.signatures()) == 2  # one package per block kind
+    restarted, clone2 = compiled_flux()
+    assert torch.equal(sample(clone2, steps=3), first)
+    assert list(restarted.stats.warm_start.values()) == ["loaded"] and fresh_dynamo["stats"]["unique_graphs"] == 2
 
 
 def test_graph_capture_call_or_graphs_off_said(monkeypatch):

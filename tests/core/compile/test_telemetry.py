@@ -12,10 +12,20 @@ from fluxaccel.core.compile.stats import CompileStats
 KEY = ShapeKey(1, 16, 16, 16, "bfloat16")
 
 
-def _compiled(outcome=None, graphs=False):
-    packages = SimpleNamespace(outcome={KEY: outcome} if outcome else {}, load_seconds={KEY: 0.5} if outcome else {})
+def _compiled(outcome=None, graphs=False, per_block=False):
+    """A stand-in CompiledFlux; outcome: its warm-start package's (or, per_block, both block kinds' packages')."""
+    from pathlib import Path
+
+    from fluxaccel.core.compile.block_regions import BlockCall
+    from fluxaccel.core.compile.warm_start import Packages, WarmStart
+
+    packages = Packages(WarmStart("k" * 32, Path("unused")), {})
+    for k in ((BlockCall(KEY, "double_block"), BlockCall(KEY, "single_block")) if per_block else (KEY,)):
+        if outcome:
+            packages.outcome[k], packages.load_seconds[k] = outcome, 0.5
     c = SimpleNamespace(stats=CompileStats(), device=torch.device("cpu"), graphs=graphs, graphs_active=graphs,
-                        graphs_running=graphs, runner=SimpleNamespace(packages=packages))
+                        graphs_running=graphs, packages=packages,
+                        runner=SimpleNamespace(graphs=graphs, call_graphs=None))
     return c
 
 
@@ -31,6 +41,22 @@ def test_first_call_records_time_package_outcome_and_tells_the_editor():
     assert KEY in st.compile_seconds and st.warm_start[KEY] == "loaded"
     assert st.compile_phases[KEY]["warm_start_load"] == 0.5 and told == [c]
     assert progress[-1].startswith(f"compiling {KEY.describe()}: ready")
+
+
+def test_per_block_packages_reported_for_their_shape():
+    """graph_capture "call": a shape's outcome is its block kinds' packages' (both loaded: "loaded", load times summed);
+    kinds that differ are each named."""
+    c = _compiled("loaded", per_block=True)
+    t = tm.Telemetry(c)
+    with t.first_call(KEY, {}, torch.zeros(1)):
+        pass
+    assert c.stats.warm_start[KEY] == "loaded" and c.stats.compile_phases[KEY]["warm_start_load"] == 1.0
+    from fluxaccel.core.compile.block_regions import BlockCall
+
+    c.packages.outcome[BlockCall(KEY, "single_block")] = "saved"
+    outcome, _ = c.packages.outcome_of(KEY)
+    assert outcome == (f"double_block blocks at {KEY.describe()}: loaded; single_block blocks at {KEY.describe()}: "
+                       f"saved")
 
 
 def test_a_failed_first_call_records_no_compile():
