@@ -180,7 +180,7 @@ class BlockCall:
     kind: str
 
     def describe(self) -> str:
-        return f"{self.kind} blocks at {self.shape.describe()}"
+        return f"{self.kind} blocks at {self.shape.describe() if self.shape is not None else 'an unnamed shape'}"
 
 
 class _Packaged:
