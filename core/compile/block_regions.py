@@ -162,13 +162,12 @@ def for_config(dm: torch.nn.Module, cfg, device: torch.device, packages=None) ->
     if cfg.nested_regions:
         return BlockRegions(dm, cfg.single_blocks)
     options = cfg.inductor_options(device)
-    regions = BlockRegions(dm, cfg.single_blocks)
 
     def compiled(fn):
         fn_compiled = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True, options=options)
-        return fn_compiled if packages is None else _Packaged(fn, fn_compiled, packages, regions)
+        return fn_compiled if packages is None else _Packaged(fn, fn_compiled, packages, lambda: regions.shape)
 
-    regions._double, regions._single = compiled(_double_body), compiled(_single_body)
+    regions = BlockRegions(dm, cfg.single_blocks, compile_blocks=compiled)
     return regions
 
 
@@ -187,12 +186,12 @@ class _Packaged:
     """A block body compiled through warm-start packages (one per block kind and call signature): loaded in a
     restarted ComfyUI instead of traced again; torch.compile where a call cannot have one (the log says why)."""
 
-    def __init__(self, fn, fn_compiled, packages, regions: "BlockRegions"):
-        self.fn, self.fn_compiled, self.packages, self.regions = fn, fn_compiled, packages, regions
+    def __init__(self, fn, fn_compiled, packages, shape):
+        self.fn, self.fn_compiled, self.packages, self.shape = fn, fn_compiled, packages, shape  # shape(): the call's
         self.kind = DOUBLE if fn is _double_body else SINGLE
 
     def __call__(self, block, *args):
-        package = self.packages.get(BlockCall(self.regions.shape, self.kind), block, args, {}, fn=self.fn)
+        package = self.packages.get(BlockCall(self.shape(), self.kind), block, args, {}, fn=self.fn)
         return self.fn_compiled(block, *args) if package is None else package(block, *args)
 
 
