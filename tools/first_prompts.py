@@ -152,6 +152,25 @@ def execution_seconds(hist: dict) -> float:
     return (stamps["execution_success"] - stamps["execution_start"]) / 1000
 
 
+def split_summary(lines: list[dict]) -> dict:
+    """The median of the steady prompts' splits (tools/prompt_split_node), with where the GPU waited: before the
+    first model call, between calls, and how long the prompt went on after the GPU had ended the last call."""
+    med = lambda xs: round(statistics.median(xs), 5) if xs else None  # noqa: E731
+    out = {k: med([x[k] for x in lines]) for k in ("prompt_s", "sample_s", "load_models_gpu_s", "calls_host_s")}
+    out["model_calls"] = med([x["model_calls"] for x in lines])
+    out["nodes_s"] = {c: med([x["nodes_s"].get(c, 0.0) for x in lines]) for c in lines[0]["nodes_s"]} if lines else {}
+    gpu = [x for x in lines if x["gpu"] and x["gpu"]["first_call_start_s"] is not None]
+    if gpu:
+        out["gpu_calls_s"] = med([x["gpu"]["calls_s"] for x in gpu])
+        out["gpu_idle_before_first_call_s"] = med([x["gpu"]["first_call_start_s"] for x in gpu])
+        out["gpu_idle_between_calls_s"] = med([x["gpu"]["last_call_end_s"] - x["gpu"]["first_call_start_s"]
+                                               - x["gpu"]["calls_s"] for x in gpu])
+        out["after_last_call_s"] = med([x["prompt_s"] - x["gpu"]["last_call_end_s"] for x in gpu])
+    else:
+        out["gpu"] = "no CUDA device: the GPU's side cannot be told"
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", choices=sorted(CASES), default=None, help="default: dev-1024-28 on a GPU, tiny-cpu without")
@@ -164,6 +183,8 @@ def main(argv=None) -> int:
     ap.add_argument("--server-arg", action="append", default=[], help="extra ComfyUI launch flag (repeatable)")
     ap.add_argument("--restart", action="store_true", help="then stop ComfyUI, start it again on the same machine "
                     "(its caches on disk) and run the configurations again: a second JSON with start 'restart'")
+    ap.add_argument("--split", action="store_true", help="the server also loads tools/prompt_split_node: each steady "
+                    "prompt's time split into its nodes, the sampler, the model calls and the GPU's idle time")
     ap.add_argument("--in-memory", action="store_true", help="build the random weights in the server's memory "
                     "(tools/memory_model_node) instead of a file UNETLoader reads: for shapes whose file does not fit "
                     "the disk (FLUX.2 [dev])")
@@ -218,7 +239,8 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
 
     with tempfile.TemporaryDirectory(prefix="fluxaccel-first-") as work:
         server = ComfyServer(comfy_dir, Path(work), Path(a.models_dir), tuple(server_args), cpu_fp8=meta["gpu"] == "cpu",
-                             memory_model=a.in_memory, timestamps=True)
+                             memory_model=a.in_memory, timestamps=True,
+                             prompt_split=Path(work) / "prompt-split.jsonl" if a.split else None)
         try:
             server.start()
             for config in a.configs:
@@ -235,11 +257,13 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
                         latents[config] = server.saved_latent(hist, "8")
                     if seed == 1:  # a separate-process compile started by this prompt: wait until it has ended
                         separate = next(iter(server.separate_compiles(since=log_at)), {})
-                steady = []
+                steady, splits = [], []
                 for seed in range(11, 11 + a.steady):
                     log.info("%s: steady prompt (seed %d)", config, seed)
-                    steady.append(execution_seconds(server.run(prompt_for(config, case, unet_name, seed, flux2,
-                                                                          a.in_memory), timeout=1800)))
+                    hist = server.run(prompt_for(config, case, unet_name, seed, flux2, a.in_memory), timeout=1800)
+                    steady.append(execution_seconds(hist))
+                    if a.split:
+                        splits.append(server.prompt_split_of(hist))
                 memory.update(host_memory(server, unet_file))
                 if a.in_memory and memory.get("server_peak_rss_gib"):  # no file: the weights' bf16 size instead
                     from fluxaccel.core.models.synthetic import param_count
@@ -252,6 +276,8 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
                              **({"third_prompt_s": round(times[2], 3), **separate} if separate else {}),
                              **({"steady_prompts_s": [round(t, 3) for t in steady],
                                  "steady_median_s": round(statistics.median(steady), 3)} if steady else {}),
+                             **({"steady_split": split_summary([x for x in splits if x]), "steady_splits": splits}
+                                if splits else {}),
                              # the kernel's high-water mark so far: what this configuration's prompts added to the peak
                              "server_peak_rss_gib_so_far": memory.get("server_peak_rss_gib"),
                              "server_anon_now_gib": memory.get("server_anon_now_gib"),

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from tools.bench import CASES
 
 pytestmark = pytest.mark.e2e
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.e2e
 def test_first_prompts_of_a_fresh_and_a_restarted_comfyui(tmp_path, e2e_model_file):
     env = {**__import__("os").environ, "FLUXACCEL_CACHE_DIR": str(tmp_path / "cache")}
     p = subprocess.run([sys.executable, str(ROOT / "tools" / "first_prompts.py"), "--case", "tiny-cpu", "--configs",
-                        "fluxaccel", "eager", "--restart", "--steady", "2", "--out", str(tmp_path / "out")],
+                        "fluxaccel", "eager", "--restart", "--steady", "2", "--split", "--out", str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     runs = {s: json.loads((tmp_path / "out" / f"cpu-tiny-cpu-first-prompts-fluxaccel-eager-{s}.json").read_text())
@@ -28,6 +29,17 @@ def test_first_prompts_of_a_fresh_and_a_restarted_comfyui(tmp_path, e2e_model_fi
             assert len(r["steady_prompts_s"]) == 2 and r["steady_median_s"] == pytest.approx(
                 sum(r["steady_prompts_s"]) / 2, abs=0.002)
         assert res["host_memory"]["server_peak_rss_gib"] > 0
+        for r in res["results"]:  # --split: each steady prompt timed inside the server (tools/prompt_split_node)
+            assert len(r["steady_splits"]) == 2
+            for split, comfy_s in zip(r["steady_splits"], r["steady_prompts_s"]):
+                assert split["model_calls"] == CASES["tiny-cpu"]["steps"]  # cfg 1: one call per step
+                assert split["prompt_s"] == pytest.approx(comfy_s, abs=0.05)  # ComfyUI's own span of the prompt
+                assert 0 < split["calls_host_s"] < split["sample_s"] < split["nodes_s"]["KSampler"] < split["prompt_s"]
+                assert split["load_models_gpu_s"] < split["sample_s"] and "SaveLatent" in split["nodes_s"]
+                assert split["first_call_host_s"] < split["last_return_host_s"] < split["prompt_s"]
+                assert split["gpu"] is None
+            assert r["steady_split"]["gpu"] == "no CUDA device: the GPU's side cannot be told"
+            assert r["steady_split"]["model_calls"] == CASES["tiny-cpu"]["steps"]
     logs = {s: (tmp_path / "out" / f"cpu-tiny-cpu-first-prompts-fluxaccel-eager-{s}.comfyui.log").read_bytes()
             .decode(errors="replace") for s in runs}  # bytes: tqdm's carriage returns stay inside their lines
     # fresh: the first prompt ran uncompiled while a separate process compiled the shape; the second loaded its

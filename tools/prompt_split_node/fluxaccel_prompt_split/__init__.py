@@ -1,0 +1,157 @@
+"""A ComfyUI custom node package of FluxAccel's tools, never of the plugin: loaded only by servers that
+tools/comfy_server.py starts with prompt_split set. It adds no node; it times where each prompt's time goes, inside
+the server, and appends one JSON line per prompt to the file named by FLUXACCEL_PROMPT_SPLIT:
+
+- prompt_s: PromptExecutor.execute_async, host wall time (what ComfyUI's execution_start → execution_success spans);
+- nodes_s: each node class's host time in execution.execute (cached nodes included: their lookup);
+- load_models_gpu_s, sample_s: comfy.model_management.load_models_gpu and comfy.sample.sample, host wall time;
+- model_calls, calls_host_s: BaseModel.apply_model's calls and the host's time inside them;
+- gpu (CUDA only, else null): from CUDA events recorded at the prompt's start and around every model call, read once
+  the prompt has ended (no synchronization inside it): calls_s (the GPU's time from each call's first to its last
+  work), first_call_start_s, last_call_end_s, end_s (the prompt's end as the GPU reached it), all from the prompt's
+  start. The GPU is idle for first_call_start_s before the first call, for (last_call_end_s − first_call_start_s −
+  calls_s) between calls, and the prompt goes on for prompt_s − last_call_end_s after the last call's work.
+
+The wrappers cost a few microseconds per call; nothing else changes in the server.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+
+NODE_CLASS_MAPPINGS: dict = {}
+log = logging.getLogger("fluxaccel.prompt_split")
+
+
+class _Prompt:
+    """What one prompt measured (ComfyUI runs one prompt at a time)."""
+
+    def __init__(self, prompt_id: str):
+        import torch
+
+        self.prompt_id, self.t0 = prompt_id, time.perf_counter()
+        self.nodes: dict[str, float] = {}
+        self.load = self.sample = self.calls_host = 0.0
+        self.n_calls = 0
+        self.first_call_host = self.last_return_host = None
+        self.cuda = torch.cuda.is_available()
+        self.start_event = self._event()
+        self.call_events: list[tuple] = []
+
+    def _event(self):
+        if not self.cuda:
+            return None
+        import torch
+
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def line(self) -> dict:
+        end = time.perf_counter()
+        gpu = None
+        if self.cuda:
+            import torch
+
+            end_event = self._event()
+            torch.cuda.synchronize()  # the prompt has ended: nothing of its timing waits on this
+            at = lambda e: round(self.start_event.elapsed_time(e) / 1000, 5)  # noqa: E731
+            gpu = {"calls_s": round(sum(a.elapsed_time(b) for a, b in self.call_events) / 1000, 5),
+                   "first_call_start_s": at(self.call_events[0][0]) if self.call_events else None,
+                   "last_call_end_s": at(self.call_events[-1][1]) if self.call_events else None,
+                   "end_s": at(end_event)}
+        rel = lambda t: None if t is None else round(t - self.t0, 5)  # noqa: E731
+        return {"prompt_id": self.prompt_id, "prompt_s": round(end - self.t0, 5),
+                "nodes_s": {k: round(v, 5) for k, v in self.nodes.items()},
+                "load_models_gpu_s": round(self.load, 5), "sample_s": round(self.sample, 5),
+                "model_calls": self.n_calls, "calls_host_s": round(self.calls_host, 5),
+                "first_call_host_s": rel(self.first_call_host), "last_return_host_s": rel(self.last_return_host),
+                "gpu": gpu}
+
+
+_NOW: list[_Prompt] = []  # the prompt running now, if any
+
+
+def _timed(add):
+    """A wrapper adding the wrapped function's host time through add(prompt, seconds, *args)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if _NOW:
+                    add(_NOW[0], time.perf_counter() - t)
+        return inner
+    return wrap
+
+
+def _install(path: str) -> None:
+    import comfy.model_base
+    import comfy.model_management
+    import comfy.sample
+    import execution
+
+    run_prompt = execution.PromptExecutor.execute_async
+
+    @functools.wraps(run_prompt)
+    async def execute_async(self, prompt, prompt_id, *args, **kwargs):
+        _NOW[:] = [_Prompt(prompt_id)]
+        try:
+            return await run_prompt(self, prompt, prompt_id, *args, **kwargs)
+        finally:
+            p = _NOW.pop()
+            with open(path, "a") as f:
+                f.write(json.dumps(p.line()) + "\n")
+
+    run_node = execution.execute
+
+    @functools.wraps(run_node)
+    async def execute(server, dynprompt, caches, current_item, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return await run_node(server, dynprompt, caches, current_item, *args, **kwargs)
+        finally:
+            if _NOW:
+                cls = dynprompt.get_node(current_item)["class_type"]
+                _NOW[0].nodes[cls] = _NOW[0].nodes.get(cls, 0.0) + time.perf_counter() - t
+
+    apply_model = comfy.model_base.BaseModel.apply_model
+
+    @functools.wraps(apply_model)
+    def timed_apply_model(self, *args, **kwargs):
+        p = _NOW[0] if _NOW else None
+        if p is None:
+            return apply_model(self, *args, **kwargs)
+        t = time.perf_counter()
+        p.first_call_host = p.first_call_host or t
+        before = p._event()
+        try:
+            return apply_model(self, *args, **kwargs)
+        finally:
+            p.last_return_host = time.perf_counter()
+            p.calls_host += p.last_return_host - t
+            p.n_calls += 1
+            if p.cuda:
+                p.call_events.append((before, p._event()))
+
+    def add_load(p, s):
+        p.load += s
+
+    def add_sample(p, s):
+        p.sample += s
+
+    execution.PromptExecutor.execute_async = execute_async
+    execution.execute = execute
+    comfy.model_base.BaseModel.apply_model = timed_apply_model
+    comfy.model_management.load_models_gpu = _timed(add_load)(comfy.model_management.load_models_gpu)
+    comfy.sample.sample = _timed(add_sample)(comfy.sample.sample)
+    log.info("timing each prompt's parts into %s", path)
+
+
+if os.environ.get("FLUXACCEL_PROMPT_SPLIT"):
+    _install(os.environ["FLUXACCEL_PROMPT_SPLIT"])
