@@ -185,6 +185,8 @@ def main(argv=None) -> int:
                     "(its caches on disk) and run the configurations again: a second JSON with start 'restart'")
     ap.add_argument("--split", action="store_true", help="the server also loads tools/prompt_split_node: each steady "
                     "prompt's time split into its nodes, the sampler, the model calls and the GPU's idle time")
+    ap.add_argument("--profile", action="store_true", help="with --split: the steady prompts also run under cProfile "
+                    "and torch.profiler (the last one's tables in the JSON); their times are then the profilers' too")
     ap.add_argument("--in-memory", action="store_true", help="build the random weights in the server's memory "
                     "(tools/memory_model_node) instead of a file UNETLoader reads: for shapes whose file does not fit "
                     "the disk (FLUX.2 [dev])")
@@ -240,7 +242,8 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
     with tempfile.TemporaryDirectory(prefix="fluxaccel-first-") as work:
         server = ComfyServer(comfy_dir, Path(work), Path(a.models_dir), tuple(server_args), cpu_fp8=meta["gpu"] == "cpu",
                              memory_model=a.in_memory, timestamps=True,
-                             prompt_split=Path(work) / "prompt-split.jsonl" if a.split else None)
+                             prompt_split=Path(work) / "prompt-split.jsonl" if a.split else None,
+                             env={"FLUXACCEL_PROMPT_PROFILE": "1"} if a.profile else None)
         try:
             server.start()
             for config in a.configs:
@@ -276,8 +279,11 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
                              **({"third_prompt_s": round(times[2], 3), **separate} if separate else {}),
                              **({"steady_prompts_s": [round(t, 3) for t in steady],
                                  "steady_median_s": round(statistics.median(steady), 3)} if steady else {}),
-                             **({"steady_split": split_summary([x for x in splits if x]), "steady_splits": splits}
-                                if splits else {}),
+                             **({"steady_split": split_summary([x for x in splits if x]),
+                                 "steady_splits": [{k: v for k, v in x.items() if k not in ("python", "torch")}
+                                                   for x in splits if x],
+                                 "last_steady_profile": {k: splits[-1].get(k) for k in ("python", "torch")}
+                                 if a.profile and splits[-1] else None} if splits else {}),
                              # the kernel's high-water mark so far: what this configuration's prompts added to the peak
                              "server_peak_rss_gib_so_far": memory.get("server_peak_rss_gib"),
                              "server_anon_now_gib": memory.get("server_anon_now_gib"),

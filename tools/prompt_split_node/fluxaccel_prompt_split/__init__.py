@@ -13,10 +13,18 @@ the server, and appends one JSON line per prompt to the file named by FLUXACCEL_
   calls_s) between calls, and the prompt goes on for prompt_s − last_call_end_s after the last call's work.
 
 The wrappers cost a few microseconds per call; nothing else changes in the server.
+
+With FLUXACCEL_PROMPT_PROFILE=1 each prompt also runs under cProfile (the worker thread's Python functions) and
+torch.profiler (torch ops and CUDA runtime calls on the host), and its line carries both tables ("python": the
+functions by cumulative time, "torch": ops and runtime calls by self host time, milliseconds per prompt). Both
+slow the host: such a run says where the host's time goes, not how long a prompt takes.
 """
 from __future__ import annotations
 
+import cProfile
+import contextlib
 import functools
+import io
 import json
 import logging
 import os
@@ -90,6 +98,31 @@ def _timed(add):
     return wrap
 
 
+@contextlib.contextmanager
+def _profiled(tables: dict, rows: int = 80):
+    """cProfile and torch.profiler around a prompt; their tables land in `tables` (see the module's notes)."""
+    import pstats
+
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                    if torch.cuda.is_available() else [])
+    py = cProfile.Profile()
+    with torch.profiler.profile(activities=acts) as tp:
+        py.enable()
+        try:
+            yield
+        finally:
+            py.disable()
+    st = pstats.Stats(py, stream=io.StringIO())
+    top = sorted(st.stats.items(), key=lambda kv: -kv[1][3])[:rows]
+    tables["python"] = [[f"{os.path.basename(f)}:{line} {name}", nc, round(ct * 1000, 3), round(tt * 1000, 3)]
+                        for (f, line, name), (_, nc, tt, ct, _) in top]
+    ops = sorted(tp.key_averages(), key=lambda e: -e.self_cpu_time_total)[:rows]
+    tables["torch"] = [[e.key, e.count, round(e.self_cpu_time_total / 1000, 3), round(e.cpu_time_total / 1000, 3)]
+                       for e in ops]
+
+
 def _install(path: str) -> None:
     import comfy.model_base
     import comfy.model_management
@@ -97,16 +130,19 @@ def _install(path: str) -> None:
     import execution
 
     run_prompt = execution.PromptExecutor.execute_async
+    profile = os.environ.get("FLUXACCEL_PROMPT_PROFILE") == "1"
 
     @functools.wraps(run_prompt)
     async def execute_async(self, prompt, prompt_id, *args, **kwargs):
         _NOW[:] = [_Prompt(prompt_id)]
+        tables: dict = {}
         try:
-            return await run_prompt(self, prompt, prompt_id, *args, **kwargs)
+            with _profiled(tables) if profile else contextlib.nullcontext():
+                return await run_prompt(self, prompt, prompt_id, *args, **kwargs)
         finally:
             p = _NOW.pop()
             with open(path, "a") as f:
-                f.write(json.dumps(p.line()) + "\n")
+                f.write(json.dumps({**p.line(), **tables}) + "\n")
 
     run_node = execution.execute
 
