@@ -74,6 +74,11 @@ class Compile(io.ComfyNode):
                                        "busy either way). Its first compile runs in the first prompt, not in a "
                                        "separate process (FLUX.1-dev: 90 s); each block kind is saved as a "
                                        "warm-start package that a restart loads."),
+                io.Boolean.Input("stage_inputs", default=True, optional=True,
+                                 tooltip="Copy the sampler's CPU inputs (the conditioning, rebuilt by ComfyUI for "
+                                         "every model call) to the GPU through pinned memory without waiting for the "
+                                         "GPU, so the host prepares the next call while the GPU runs this one. Same "
+                                         "values. Off: ComfyUI's own copy, which waits for the GPU at every call."),
             ],
             outputs=[io.Model.Output(tooltip="The model, compiled on first use; the input model is unchanged.")],
             hidden=[io.Hidden.unique_id],
@@ -83,12 +88,12 @@ class Compile(io.ComfyNode):
     @classmethod
     def execute(cls, model, cuda_graphs, mode, resolution_policy, max_shapes, persistent_cache=True,
                 block_regions=True, attention="cudnn", separate_process=True, single_blocks="fluxaccel",
-                graph_capture="inductor", **unknown) -> io.NodeOutput:
+                graph_capture="inductor", stage_inputs=True, **unknown) -> io.NodeOutput:
         refuse_unknown_inputs(unknown)
         cfg = CompileConfig(cuda_graphs=cuda_graphs, mode=mode, resolution_policy=resolution_policy,
                             max_shapes=max_shapes, persistent_cache=persistent_cache,
                             block_regions=block_regions, attention=attention, separate_process=separate_process,
-                            single_blocks=single_blocks, graph_capture=graph_capture)
+                            single_blocks=single_blocks, graph_capture=graph_capture, stage_inputs=stage_inputs)
         clone, compiled = apply_compile(model, cfg)
         compiled.on_compiled = compiled_notifier(cls.hidden.unique_id)
         compiled.on_progress = progress_text(cls.hidden.unique_id)

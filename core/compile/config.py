@@ -44,6 +44,9 @@ class CompileConfig:
     # inductor's C++ wrapper and each model call captured whole by FluxAccel (call_graphs.py), under any allocator
     # (ComfyUI's default cudaMallocAsync included); a warm-start package per block kind, no separate-process compile
     graph_capture: Literal["inductor", "call"] = "inductor"
+    # the sampler's CPU inputs (the conditioning) copied to the GPU through pinned memory without the host waiting
+    # (staging.py); off: ComfyUI's own blocking copy in every model call
+    stage_inputs: bool = True
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -89,7 +92,9 @@ class CompileConfig:
             ("compile cache on" + (" with warm start" if self.warm_start else "")) if self.persistent_cache
             else "no compile cache (compiles again after a restart)",
             "a new shape compiles in a separate process while the model runs uncompiled" if self.separate_process
-            else "a new shape compiles in its first call"])
+            else "a new shape compiles in its first call",
+            "the sampler's CPU inputs copied to the GPU without waiting for it" if self.stage_inputs
+            else "the sampler's CPU inputs copied by ComfyUI (the host waits for the GPU at every call)"])
 
     @property
     def captured(self) -> bool:

@@ -16,6 +16,7 @@ from ..quant.linear import takes_pair
 from .config import CompileConfig
 from . import single_block
 from .compiled import CompiledFlux
+from .staging import staging_wrapper
 from ..env import require_torch
 from ..errors import FluxAccelError
 from ..upstream import Unavailable, comfy_internals, torch_internals
@@ -101,12 +102,21 @@ def _graphs_under(cfg: CompileConfig, device: torch.device, node: str) -> tuple[
     return dataclasses.replace(cfg, cuda_graphs=False), graphs_off
 
 
+def _staged_counter(stats):
+    def count(n: int) -> None:
+        stats.staged_tensors += n
+    return count
+
+
 def _install(clone, compiled: CompiledFlux):
     """Put `compiled` on `clone` (already a clone): our one keyed APPLY_MODEL wrapper, replacing any earlier one, and
     the CompiledFlux as the clone's COMPILE_KEY attachment (read by Warmup, Benchmark and the editor badge)."""
     wt = _apply_model_type()
     clone.remove_wrappers_with_key(wt, COMPILE_KEY)
-    clone.add_wrapper_with_key(wt, COMPILE_KEY, comfy_internals.swap_in_wrapper({"diffusion_model": compiled}))
+    wrapper = comfy_internals.swap_in_wrapper({"diffusion_model": compiled})
+    if compiled.cfg.stage_inputs:
+        wrapper = staging_wrapper(wrapper, compiled.device, _staged_counter(compiled.stats))
+    clone.add_wrapper_with_key(wt, COMPILE_KEY, wrapper)
     clone.set_attachments(COMPILE_KEY, compiled)
     return clone, compiled
 

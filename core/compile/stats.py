@@ -53,6 +53,7 @@ class CompileStats:
     # the model calls that ran uncompiled meanwhile (also counted in eager_calls)
     separate: dict[ShapeKey, str] = field(default_factory=dict)
     uncompiled_while_compiling: int = 0
+    staged_tensors: int = 0  # CPU inputs of model calls copied to the GPU without blocking the host (staging.py)
     degradations: list[Degradation] = field(default_factory=list)  # what runs below what was asked, and why
     # calls run with the Comfy model compiler's recording paused (ComfyUI 0.34+), and calls where it could not be told
     model_compiler_paused: int = 0
