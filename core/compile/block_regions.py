@@ -165,7 +165,8 @@ def for_config(dm: torch.nn.Module, cfg, device: torch.device, packages=None) ->
 
     def compiled(fn):
         fn_compiled = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True, options=options)
-        return fn_compiled if packages is None else _Packaged(fn, fn_compiled, packages, lambda: regions.shape)
+        return fn_compiled if packages is None else _Packaged(fn, fn_compiled, packages, lambda: regions.shape,
+                                                              lambda: regions.loading)
 
     regions = BlockRegions(dm, cfg.single_blocks, compile_blocks=compiled)
     return regions
@@ -186,12 +187,13 @@ class _Packaged:
     """A block body compiled through warm-start packages (one per block kind and call signature): loaded in a
     restarted ComfyUI instead of traced again; torch.compile where a call cannot have one (the log says why)."""
 
-    def __init__(self, fn, fn_compiled, packages, shape):
-        self.fn, self.fn_compiled, self.packages, self.shape = fn, fn_compiled, packages, shape  # shape(): the call's
+    def __init__(self, fn, fn_compiled, packages, shape, loading):
+        # shape(): the call's shape key; loading(): the context that marks a package load in the compile's progress
+        self.fn, self.fn_compiled, self.packages, self.shape, self.loading = fn, fn_compiled, packages, shape, loading
         self.kind = DOUBLE if fn is _double_body else SINGLE
 
     def __call__(self, block, *args):
-        package = self.packages.get(BlockCall(self.shape(), self.kind), block, args, {}, fn=self.fn)
+        package = self.packages.get(BlockCall(self.shape(), self.kind), block, args, {}, self.loading(), fn=self.fn)
         return self.fn_compiled(block, *args) if package is None else package(block, *args)
 
 
@@ -202,6 +204,7 @@ class BlockRegions:
     def __init__(self, dm: torch.nn.Module, single_blocks: str = "comfyui", compile_blocks=None):
         self._dm = dm
         self.shape = None  # the shape key of the call running (set by the runner; per-block packages name it)
+        self.loading = None  # the running call's package-load marker (set by the runner; per-block packages use it)
         self._own_single = single_blocks == "fluxaccel"
         self._blocks: tuple = ()
         self._table: dict = {}

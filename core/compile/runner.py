@@ -72,8 +72,8 @@ class Runner:
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous call's outputs may be overwritten from here on
         call_kwargs = self.call_kwargs(context, transformer_options, kwargs)
-        if self.regions is not None:
-            self.regions.shape = key  # per-block warm-start packages name the shape they are for
+        if self.regions is not None:  # per-block warm-start packages name the shape they are for, and say their load
+            self.regions.shape, self.regions.loading = key, loading
         # plain-torch RoPE (rope.py); persistent row reductions (reductions.py); outside the Comfy model compiler's
         # memory plan, should one be recording
         with one_graph(), recompile_budget(), torch_rope(), persistent(), \

@@ -177,6 +177,7 @@ def test_compiled_flux_blocks_compiled_on_their_own_and_calls_captured(fresh_dyn
     from fluxaccel.core.compile.compiled import CompiledFlux
     from fluxaccel.core.compile.config import CompileConfig
     from fluxaccel.core.compile.patch import _install, remove_compile
+    from fluxaccel.core.compile.progress import CompileWatch
     from support.models import build_flux
     from support.runs import sample
 
@@ -212,8 +213,13 @@ def test_compiled_flux_blocks_compiled_on_their_own_and_calls_captured(fresh_dyn
     assert list(compiled.stats.warm_start.values()) == ["saved"]
     assert len(compiled.packages.store.signatures()) == 2  # one package per block kind
     restarted, clone2 = compiled_flux()
-    assert torch.equal(sample(clone2, steps=3), first)
+    marked = []  # the compile's progress says "loading the warm-start package" while each block kind's loads
+    with pytest.MonkeyPatch.context() as monkey:
+        monkey.setattr(CompileWatch, "loading_package",
+                       lambda self, real=CompileWatch.loading_package: (marked.append(self.what), real(self))[1])
+        assert torch.equal(sample(clone2, steps=3), first)
     assert list(restarted.stats.warm_start.values()) == ["loaded"] and fresh_dynamo["stats"]["unique_graphs"] == 2
+    assert len(marked) == 2 and all("latent" in m for m in marked)
 
 
 def test_graph_capture_call_or_graphs_off_said(monkeypatch):
