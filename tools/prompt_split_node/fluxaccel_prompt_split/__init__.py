@@ -58,13 +58,16 @@ class _Prompt:
         e.record()
         return e
 
+    def finish(self) -> None:
+        """The prompt's end, on the host and as the GPU reaches it (before any profiler's own teardown)."""
+        self.end, self.end_event = time.perf_counter(), self._event()
+
     def line(self) -> dict:
-        end = time.perf_counter()
+        end, end_event = self.end, self.end_event
         gpu = None
         if self.cuda:
             import torch
 
-            end_event = self._event()
             torch.cuda.synchronize()  # the prompt has ended: nothing of its timing waits on this
             at = lambda e: round(self.start_event.elapsed_time(e) / 1000, 5)  # noqa: E731
             gpu = {"calls_s": round(sum(a.elapsed_time(b) for a, b in self.call_events) / 1000, 5),
@@ -138,7 +141,10 @@ def _install(path: str) -> None:
         tables: dict = {}
         try:
             with _profiled(tables) if profile else contextlib.nullcontext():
-                return await run_prompt(self, prompt, prompt_id, *args, **kwargs)
+                try:
+                    return await run_prompt(self, prompt, prompt_id, *args, **kwargs)
+                finally:
+                    _NOW[0].finish()
         finally:
             p = _NOW.pop()
             with open(path, "a") as f:
