@@ -102,10 +102,18 @@ def _graphs_under(cfg: CompileConfig, device: torch.device, node: str) -> tuple[
     return dataclasses.replace(cfg, cuda_graphs=False), graphs_off
 
 
-def _staged_counter(stats):
+def _staging_record(stats):
+    """(count, on_fail) for staging_wrapper: staged tensors counted in the stats; a failure said in the stats (node
+    text, badge) and the log."""
     def count(n: int) -> None:
         stats.staged_tensors += n
-    return count
+
+    def on_fail(why: str) -> None:
+        stats.degrade("stage_inputs", f"{why}; ComfyUI's own copy of the sampler's inputs runs (the host waits for the "
+                                      f"GPU at every call)")
+        log.warning("FluxAccel: stage_inputs is off from now on: %s; ComfyUI's own copy of the sampler's inputs runs",
+                    why)
+    return count, on_fail
 
 
 def _install(clone, compiled: CompiledFlux):
@@ -115,7 +123,7 @@ def _install(clone, compiled: CompiledFlux):
     clone.remove_wrappers_with_key(wt, COMPILE_KEY)
     wrapper = comfy_internals.swap_in_wrapper({"diffusion_model": compiled})
     if compiled.cfg.stage_inputs:
-        wrapper = staging_wrapper(wrapper, compiled.device, _staged_counter(compiled.stats))
+        wrapper = staging_wrapper(wrapper, compiled.device, *_staging_record(compiled.stats))
     clone.add_wrapper_with_key(wt, COMPILE_KEY, wrapper)
     clone.set_attachments(COMPILE_KEY, compiled)
     return clone, compiled

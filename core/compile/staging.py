@@ -9,7 +9,9 @@ replay launched ~6 ms late; bench/NOTES.md, 2026-12-03).
 Staging copies each CPU tensor among the call's inputs (the latent, the conditioning, pooled vectors, guidance:
 not transformer_options) into pinned memory and from there to the GPU with a non-blocking copy, before ComfyUI's own
 cast: ComfyUI then finds them on the GPU, and casts there. The values are the same bits (a copy; the dtype cast is
-ComfyUI's, as before). torch's pinned-memory allocator keeps each pinned block until its copy has run.
+ComfyUI's, as before). torch's pinned-memory allocator keeps each pinned block until its copy has run. Where pinned
+memory cannot be had (a locked-memory limit), the call runs with ComfyUI's own copy and that is said once
+(`on_fail`), not retried at every call.
 """
 from __future__ import annotations
 
@@ -43,12 +45,19 @@ def staged(args: tuple, kwargs: dict, device: torch.device, copy: Copy = pinned_
 
 
 def staging_wrapper(inner: Callable, device: torch.device, count: Callable[[int], None],
-                    copy: Copy = pinned_copy) -> Callable:
+                    on_fail: Callable[[str], None], copy: Copy = pinned_copy) -> Callable:
     """An APPLY_MODEL wrapper: `inner` (an APPLY_MODEL wrapper) called with the call's CPU inputs staged on `device`;
-    count(n) is told how many tensors each call staged."""
+    count(n) is told how many tensors each call staged; on_fail(why) once if staging cannot run (then it is off)."""
+    failed: list[str] = []
+
     def apply_staged(executor, *args, **kwargs):
-        args, kwargs, n = staged(args, kwargs, device, copy)
-        count(n)
+        if not failed:
+            try:
+                args, kwargs, n = staged(args, kwargs, device, copy)
+                count(n)
+            except RuntimeError as e:  # pinned memory refused: ComfyUI's own copy from now on, said once
+                failed.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300])
+                on_fail(failed[0])
         return inner(executor, *args, **kwargs)
 
     return apply_staged

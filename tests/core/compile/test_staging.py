@@ -44,11 +44,39 @@ def test_staged_inputs_reach_comfyuis_apply_model_with_the_same_result(tiny_flux
     clone = tiny_flux.clone()
     clone.add_wrapper_with_key(WrappersMP.APPLY_MODEL, "test-staging",
                                staging_wrapper(lambda executor, *a, **k: executor(*a, **k), CUDA, counts.append,
-                                               recording_copy(seen)))
+                                               pytest.fail, recording_copy(seen)))
     assert torch.equal(sample(clone, steps=2), plain)
     assert len(counts) == 2 and counts[0] == counts[1] == len(seen) // 2 >= 3
     shapes = {tuple(t.shape) for t in seen}
     assert (1, 16, 64) in shapes  # the text conditioning (16 tokens of the tiny model's 64-wide context)
+
+
+def test_pinned_memory_refused_runs_comfyuis_copy_and_says_so_once(tiny_flux, caplog):
+    """A copy that raises (pinned memory refused): the call runs unstaged with the same result, the failure is said
+    once (the model's stats and the log), and later calls do not try again."""
+    from comfy.patcher_extension import WrappersMP
+
+    from fluxaccel.core.compile.patch import _staging_record
+    from fluxaccel.core.compile.stats import CompileStats
+    from support.runs import sample
+
+    tries = []
+
+    def refused(t, device):
+        tries.append(t)
+        raise RuntimeError("CUDA error: out of memory (pinned)\nmore")
+
+    stats = CompileStats()
+    plain = sample(tiny_flux, steps=3)
+    clone = tiny_flux.clone()
+    clone.add_wrapper_with_key(WrappersMP.APPLY_MODEL, "test-staging",
+                               staging_wrapper(lambda executor, *a, **k: executor(*a, **k), CUDA,
+                                               *_staging_record(stats), copy=refused))
+    assert torch.equal(sample(clone, steps=3), plain)
+    assert len(tries) == 1 and stats.staged_tensors == 0
+    assert [d.what for d in stats.degradations] == ["stage_inputs"]
+    assert "out of memory (pinned)" in stats.degradations[0].why and "more" not in stats.degradations[0].why
+    assert sum("stage_inputs is off" in r.getMessage() for r in caplog.records) == 1
 
 
 @pytest.mark.parametrize("stage", [True, False])
