@@ -48,6 +48,7 @@ class _Prompt:
         self.cuda = torch.cuda.is_available()
         self.start_event = self._event()
         self.call_events: list[tuple] = []
+        self.end = self.end_event = None  # finish()
 
     def _event(self):
         if not self.cuda:
@@ -87,7 +88,7 @@ _NOW: list[_Prompt] = []  # the prompt running now, if any
 
 
 def _timed(add):
-    """A wrapper adding the wrapped function's host time through add(prompt, seconds, *args)."""
+    """A wrapper adding the wrapped function's host time to the running prompt through add(prompt, seconds)."""
     def wrap(fn):
         @functools.wraps(fn)
         def inner(*args, **kwargs):
