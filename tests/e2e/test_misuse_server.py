@@ -147,9 +147,10 @@ def test_web_folder_is_the_only_http_surface_and_it_stays_inside(server):
 def test_many_prompts_host_memory_stays_flat(server, e2e_3072_model_file):
     """10 consecutive FP8 prompts, a new seed each (so each one samples) and Quantize FP8 rebuilt every prompt (its
     granularity alternates, so ComfyUI replaces the previous FP8 clone): after the first three, resident memory grows
-    by less than 3 % of it per prompt (least-squares slope) and by less than 15 % in all. One FP8 clone kept per
+    by less than 5 % of it per prompt (least-squares slope) and by less than 30 % in all. One FP8 clone kept per
     prompt would add ~0.3 GiB (~9 %) each time, 60 % over the seven prompts; the allocator's own growth while it
-    settles reached 1.3 %/prompt and 8 % in all (a two-worker run next to other servers).
+    settles (a CPU server keeps freed memory in its heap: tools/comfy_server.py's CPU_MALLOC) reached 3.1 %/prompt and
+    18 % in all, then fell back (a two-core CI machine, two workers).
     (CPU CI: 10 prompts; the H200 run of tools/reliability.py does 50.) On the 3072-wide file: a clone of the narrow
     one would be lost in the allocator's noise. Measured as anonymous memory (RssAnon), where FP8 copies and clones
     live (the FP8 weights cache reads into buffers, it does not map its files); VmRSS also counts the resident pages
@@ -169,5 +170,5 @@ def test_many_prompts_host_memory_stays_flat(server, e2e_3072_model_file):
     slope = statistics.linear_regression(range(len(tail)), tail).slope
     msg = (f"RssAnon (MiB) per prompt: {[round(v) for v in rss]}; slope after prompt 3: {slope:.1f} MiB/prompt; "
            f"VmRSS: {[round(v) for v in vm]}")
-    assert slope < 0.03 * rss[3], msg
-    assert max(tail) < 1.15 * min(tail), msg
+    assert slope < 0.05 * rss[3], msg
+    assert max(tail) < 1.30 * min(tail), msg
