@@ -35,79 +35,44 @@ from tools.comfy_server import ComfyServer  # noqa: E402
 
 log = logging.getLogger("fluxaccel.first_prompts")
 
+# FluxAccel's default nodes; each configuration below changes some of their inputs (None: the node left out)
+FP8 = {"granularity": "per_row", "scope": "blocks", "layout": "plain"}
+COMPILE = {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict", "max_shapes": 4,
+           "persistent_cache": True, "block_regions": True}
+STATIC_WARMUP = ("9", "FluxAccelWarmup", {"batch_size": 1, "cfg": 1.0, "activation_scales": "static",
+                                          "positive": ["2", 0]})
+
+
+def fluxaccel(fp8: dict | None = None, warmup: tuple | None = None, **compile_inputs) -> list:
+    """Quantize FP8 → Compile (→ Warmup), the defaults with these inputs changed."""
+    return [("5", "FluxAccelQuantizeFP8", {**FP8, **(fp8 or {})}),
+            ("6", "FluxAccelCompile", {**COMPILE, **compile_inputs}), *([warmup] if warmup else [])]
+
+
 CONFIGS = {
     # name: the nodes between UNETLoader ("1") and the KSampler, as (id, class, inputs with "MODEL" for the model)
-    "fluxaccel": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
-                  ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
-                                             "max_shapes": 4, "persistent_cache": True, "block_regions": True})],
-    "fastest": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks+modulation",
-                                               "layout": "plain"}),
-                ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
-                                           "max_shapes": 4, "persistent_cache": True, "block_regions": False})],
+    "fluxaccel": fluxaccel(),
+    "fastest": fluxaccel({"scope": "blocks+modulation"}, block_regions=False),
     # the default without CUDA graphs (what the default runs under cudaMallocAsync)
-    "graphs-off": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
-                   ("6", "FluxAccelCompile", {"cuda_graphs": False, "mode": "default", "resolution_policy": "strict",
-                                              "max_shapes": 4, "persistent_cache": True, "block_regions": True})],
+    "graphs-off": fluxaccel(cuda_graphs=False),
     # the default with graph_capture "call": blocks compiled on their own, each model call captured (any allocator)
-    "graphs-call": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
-                    ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
-                                               "max_shapes": 4, "persistent_cache": True, "block_regions": True,
-                                               "graph_capture": "call"})],
+    "graphs-call": fluxaccel(graph_capture="call"),
     # the default and graphs-call with ComfyUI's own (blocking) copy of the sampler's CPU inputs at every call
-    "fluxaccel-unstaged": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks",
-                                                          "layout": "plain"}),
-                           ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default",
-                                                      "resolution_policy": "strict", "max_shapes": 4,
-                                                      "persistent_cache": True, "block_regions": True,
-                                                      "stage_inputs": False})],
-    "graphs-call-unstaged": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks",
-                                                            "layout": "plain"}),
-                             ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default",
-                                                        "resolution_policy": "strict", "max_shapes": 4,
-                                                        "persistent_cache": True, "block_regions": True,
-                                                        "graph_capture": "call", "stage_inputs": False})],
+    "fluxaccel-unstaged": fluxaccel(stage_inputs=False),
+    "graphs-call-unstaged": fluxaccel(graph_capture="call", stage_inputs=False),
     # the compile in the first prompt, without FluxAccel's compile cache
-    "fluxaccel-inprompt": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks",
-                                                          "layout": "plain"}),
-                           ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default",
-                                                      "resolution_policy": "strict", "max_shapes": 4,
-                                                      "persistent_cache": False, "block_regions": True,
-                                                      "separate_process": False})],
+    "fluxaccel-inprompt": fluxaccel(persistent_cache=False, separate_process=False),
     # the default with the MLP's GELU kept apart from its FP8 quantization (inductor's fused reduction instead)
-    "gelu-separate": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain",
-                                                     "fuse_gelu": False}),
-                      ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
-                                                 "max_shapes": 4, "persistent_cache": True, "block_regions": True})],
+    "gelu-separate": fluxaccel({"fuse_gelu": False}),
     # FLUX.2: the default with the SiLU-gated MLPs' gate kept apart from its FP8 quantization (inductor's reduction)
-    "silu-separate": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain",
-                                                     "fuse_silu_gate": False}),
-                      ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
-                                                 "max_shapes": 4, "persistent_cache": True, "block_regions": True})],
+    "silu-separate": fluxaccel({"fuse_silu_gate": False}),
     # the default with ComfyUI's single-block forward (linear2's concatenated input written before the fused kernel)
-    "single-concat": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
-                      ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
-                                                 "max_shapes": 4, "persistent_cache": True, "block_regions": True,
-                                                 "single_blocks": "comfyui"})],
-    "tuned": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
-              ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "tuned-kernels", "resolution_policy": "strict",
-                                         "max_shapes": 4, "persistent_cache": True, "block_regions": True})],
-    "fp8attn": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
-                ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
-                                           "max_shapes": 4, "persistent_cache": True, "block_regions": True,
-                                           "attention": "fp8"})],
+    "single-concat": fluxaccel(single_blocks="comfyui"),
+    "tuned": fluxaccel(mode="tuned-kernels"),
+    "fp8attn": fluxaccel(attention="fp8"),
     # Warmup's static activation scales (calibrated over the case's steps on the prompt's conditioning, node "2")
-    "static": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
-               ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default", "resolution_policy": "strict",
-                                          "max_shapes": 4, "persistent_cache": True, "block_regions": True}),
-               ("9", "FluxAccelWarmup", {"batch_size": 1, "cfg": 1.0, "activation_scales": "static",
-                                         "positive": ["2", 0]})],
-    "static-fp8attn": [("5", "FluxAccelQuantizeFP8", {"granularity": "per_row", "scope": "blocks", "layout": "plain"}),
-                       ("6", "FluxAccelCompile", {"cuda_graphs": True, "mode": "default",
-                                                  "resolution_policy": "strict", "max_shapes": 4,
-                                                  "persistent_cache": True, "block_regions": True,
-                                                  "attention": "fp8"}),
-                       ("9", "FluxAccelWarmup", {"batch_size": 1, "cfg": 1.0, "activation_scales": "static",
-                                                 "positive": ["2", 0]})],
+    "static": fluxaccel(warmup=STATIC_WARMUP),
+    "static-fp8attn": fluxaccel(warmup=STATIC_WARMUP, attention="fp8"),
     "eager": [],
     "torchcompile": [("5", "TorchCompileModel", {"backend": "inductor"})],
     # core's fp8_e4m3fn_fast + TorchCompileModel: the loader with weight_dtype fp8_e4m3fn_fast (its own node, "1f")
