@@ -40,6 +40,7 @@ def child(step: str, work: Path) -> None:
             return build(self, *a, **k)
         finally:
             builds.append(round(time.perf_counter() - t, 2))
+            print(f"PROBE   build {builds[-1]:.2f} s: {self.get_target_file_path()}")
 
     cpp_builder.CppBuilder.build = counted
     device = os.environ.get("PROBE_DEVICE", "cpu")
