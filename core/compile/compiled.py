@@ -26,6 +26,7 @@ from .shapes import ShapeKey, ShapePolicy, dtype_name, shape_key, without_refere
 from .options import attention_override, refuse_unsupported
 from .stats import CompileStats
 from .telemetry import Telemetry
+from ..upstream import torch_internals
 
 log = logging.getLogger("fluxaccel.compile")
 
@@ -173,7 +174,9 @@ class CompiledFlux(torch.nn.Module):
             return self._dm(x, timestep, context=context, transformer_options=transformer_options, **kwargs)
         else:  # the artifacts of this compile are recorded for this model's kernel-cache file only
             recording = self.cache.recording() if self.cache is not None else contextlib.nullcontext()
-            with self.telemetry.first_call(key, transformer_options, x) as watch, recording:
+            # the compile may set inductor's cpp.vec_isa_ok for its GPU code (config.py): not kept for the process
+            with self.telemetry.first_call(key, transformer_options, x) as watch, recording, \
+                    torch_internals.vec_isa_list_kept():
                 out = self.runner(key, x, timestep, context, transformer_options, kwargs, watch.loading_package)
             if self.cache is not None:
                 self.cache.save()

@@ -125,6 +125,12 @@ class CompileConfig:
         opts["triton.cudagraphs"] = graphs and not self.captured
         if graphs and self.captured:
             opts["cpp_wrapper"] = True  # kernels launched from C++: the call can be captured under cudaMallocAsync
+            # A GPU graph's wrapper needs no CPU vector ISA (a CPU kernel in it would run unvectorized, still
+            # correct). torch 2.11 picks one anyway, checking each candidate by building a test library and loading
+            # it in a new Python process: ~30 s in every process that compiles or loads such a graph (bench/NOTES.md).
+            # Newer torch skips the check for GPU code; this does the same here. The ISA list inductor computes under
+            # it is dropped after FluxAccel's compile or load (torch_internals.vec_isa_list_kept).
+            opts["cpp.vec_isa_ok"] = False
         # Round bf16 intermediates as eager does. Without it inductor keeps e.g. guidance * 1000 in float32 (3500)
         # where eager rounds it to bf16 (3504): FLUX's sinusoidal embeddings turn that into a different output
         # (35 % relative error on the tiny test model, 0.7 % with this option).

@@ -54,6 +54,11 @@ SUFFIX = ".warm"
 # graph already): a load in the background may only run where these equal the process's config, since a patch of
 # inductor's config is seen by every thread
 LOAD_OPTIONS = ("triton.cudagraphs",)
+# what a load in the background sets for its own duration: the C++ wrapper's CPU vector ISA (config.py), which a load
+# reads to find the wrapper's built library. Seen by every thread meanwhile, it only stops another thread's CPU
+# compile from vectorizing (its GPU code is as before), and the ISA list computed then is dropped after
+# (vec_isa_list_kept)
+BACKGROUND_OPTIONS = ("cpp.vec_isa_ok",)
 # torch's compile and package loading share inductor's caches: FluxAccel runs them one at a time in this process
 TORCH_COMPILE_LOCK = threading.RLock()
 
@@ -120,7 +125,7 @@ def aot_compile(dm: torch.nn.Module, options: dict, args: tuple, kwargs: dict, f
     """Trace and compile one call of dm (its class's forward, dm passed as self; or `fn`, a module-level function
     taking dm first, e.g. a block's body) ahead of running it."""
     # torch 2.9-2.11: off by default, and read when torch.compile wraps the function (for this call only)
-    with TORCH_COMPILE_LOCK, torch_internals.enable_aot_compile():
+    with TORCH_COMPILE_LOCK, torch_internals.enable_aot_compile(), torch_internals.vec_isa_list_kept():
         target = torch.compile(fn or type(dm).forward, backend="inductor", fullgraph=True, dynamic=False,
                                options={**options, "guard_filter_fn": _no_guards})
         compiled = target.aot_compile(((dm, *args), kwargs))
@@ -196,7 +201,8 @@ class WarmStart:
             stale = _stale_sources(meta.get("sources") or {})
             if stale:
                 raise ValueError(f"stale: the source of {', '.join(stale)} changed since it was written")
-            with TORCH_COMPILE_LOCK, torch_internals.inductor_config_patch(options):
+            with TORCH_COMPILE_LOCK, torch_internals.inductor_config_patch(options), \
+                    torch_internals.vec_isa_list_kept():
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload))
             _skip_guard_check(fn)
             log.info("FluxAccel: loaded warm-start package %s in %.2f s (no tracing)", path, time.perf_counter() - t0)
@@ -258,9 +264,11 @@ class Packages:
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fluxaccel-warm-start")
         device = torch.device(device)
 
+        background = {k: self.options[k] for k in BACKGROUND_OPTIONS if k in self.options}
+
         def load(sig: str):
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                return self.store.load(sig)
+                return self.store.load(sig, background or None)
 
         self.pending = {sig: pool.submit(load, sig) for sig in sigs}
         pool.shutdown(wait=False)

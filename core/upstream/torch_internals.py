@@ -294,6 +294,27 @@ def cpp_compiler() -> str | Unavailable:
         return ""
 
 
+@contextlib.contextmanager
+def vec_isa_list_kept():
+    """Within: FluxAccel's compile or package load may run with inductor's `cpp.vec_isa_ok` set for its GPU code
+    (config.py); inductor keeps the CPU vector-ISA list it computes then for the whole process (functools cache). Where
+    that list was not computed before the body, it is dropped after it, so that a later compile of other code computes
+    its own. Where torch lacks the list or its cache, the body runs as is (and that is said once)."""
+    fn = _attr("torch._inductor.cpu_vec_isa.valid_vec_isa_list")
+    info, clear = getattr(fn, "cache_info", None), getattr(fn, "cache_clear", None)
+    if not (callable(info) and callable(clear)):
+        say(fn if isinstance(fn, Unavailable) else _missing("torch._inductor.cpu_vec_isa.valid_vec_isa_list.cache_clear"),
+            "the CPU vector-ISA list computed while FluxAccel compiles GPU code stays in inductor's cache")
+        yield
+        return
+    empty = info().currsize == 0
+    try:
+        yield
+    finally:
+        if empty:
+            clear()
+
+
 # -- AOT-compiled functions (warm-start packages) ------------------------------------------------------------------
 def aot_compile_available() -> bool | Unavailable:
     if not hasattr(torch.compiler, "load_compiled_function"):

@@ -185,6 +185,7 @@ def test_compiled_flux_blocks_compiled_on_their_own_and_calls_captured(fresh_dyn
     cfg = CompileConfig(graph_capture="call", separate_process=True)
     gpu = cfg.inductor_options(torch.device("cuda"))
     assert not cfg.nested_regions and gpu["cpp_wrapper"] is True and gpu["triton.cudagraphs"] is False
+    assert gpu["cpp.vec_isa_ok"] is False  # the GPU wrapper's CPU ISA is not checked (config.py)
     mm.load_models_gpu([model])
     dm = model.model.diffusion_model
 

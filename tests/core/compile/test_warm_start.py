@@ -125,6 +125,29 @@ def test_background_load_waits_where_inductor_config_differs(tmp_path, caplog):
     assert "ignoring unusable warm-start package" in caplog.text  # a bad file: warned from the background thread too
 
 
+def test_background_load_sets_the_wrappers_cpu_isa_for_its_own_duration(tmp_path, monkeypatch):
+    """graph_capture "call" packages (inductor's C++ wrapper for GPU code) load in the background with inductor's
+    cpp.vec_isa_ok set as their compile had it (no CPU vector-ISA check, which builds and loads test libraries in new
+    processes), and only while the load runs: the process's config is as before afterwards."""
+    import torch._inductor.config as ic
+
+    from fluxaccel.core.compile.config import CompileConfig
+    from fluxaccel.core.compile.warm_start import Packages
+
+    options = CompileConfig(graph_capture="call").inductor_options(torch.device("cuda"))
+    assert options["cpp_wrapper"] is True and options["cpp.vec_isa_ok"] is False
+    seen = []
+    monkeypatch.setattr(torch.compiler, "load_compiled_function",
+                        lambda f: seen.append(ic.cpp.vec_isa_ok) or (lambda *a: None))
+    w, path, head = _package(tmp_path)
+    path.write_bytes(head + b"payload")
+    before = ic.cpp.vec_isa_ok
+    packages = Packages(w, options)
+    assert packages.prefetch(4, torch.device("cpu")) == "loading 1 warm-start package(s) in the background"
+    packages.settle()
+    assert seen == [False] and packages.pending["s" * 16].result() is not None and ic.cpp.vec_isa_ok == before
+
+
 def test_missing_package_is_silent(tmp_path, caplog):
     w, _, _ = _package(tmp_path)
     with caplog.at_level("WARNING", logger="fluxaccel.cache"):

@@ -409,3 +409,33 @@ def test_cpp_compiler_lookup_missing(monkeypatch):
     assert "cpp_builder.get_cpp_compiler" in patch.call_capture_unavailable()
     cfg, off = patch._graphs_under(CompileConfig(graph_capture="call"), torch.device("cuda"), "node")
     assert not cfg.cuda_graphs and "cannot be checked" in off
+
+
+def test_vec_isa_list_kept_drops_what_fluxaccel_computed(monkeypatch):
+    """The CPU vector-ISA list inductor computes inside FluxAccel's compile (cpp.vec_isa_ok off for GPU code) is not
+    kept for the process; one computed before is left as it was."""
+    import torch._inductor.config as ic
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    try:
+        with torch_internals.vec_isa_list_kept(), ic.patch({"cpp.vec_isa_ok": False}):
+            assert cpu_vec_isa.valid_vec_isa_list() == []
+        assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0
+        with ic.patch({"cpp.vec_isa_ok": True}):  # the CPU's flags, trusted (no test builds): computed before
+            trusted = cpu_vec_isa.valid_vec_isa_list()
+        with torch_internals.vec_isa_list_kept(), ic.patch({"cpp.vec_isa_ok": False}):
+            assert cpu_vec_isa.valid_vec_isa_list() == trusted
+        assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1
+    finally:
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+
+
+def test_vec_isa_list_missing(monkeypatch, caplog):
+    """Where torch has no such list (or no cache on it), the body runs as it is and the log says what stays."""
+    hide(monkeypatch, "torch._inductor.cpu_vec_isa.valid_vec_isa_list")
+    ran = []
+    with caplog.at_level(logging.INFO, logger="fluxaccel.upstream"):
+        with torch_internals.vec_isa_list_kept():
+            ran.append(1)
+    assert ran == [1] and said(caplog, "valid_vec_isa_list", "stays in inductor's cache")
