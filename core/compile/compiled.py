@@ -82,9 +82,7 @@ class CompiledFlux(torch.nn.Module):
         """The separate-process compiles (separate.py) where the config asks for them and packages carry them back."""
         if not self.cfg.separate_process:
             return None
-        if self.cfg.captured:
-            why = "graph_capture 'call' compiles its blocks in the model's first call (not in a separate process yet)"
-        elif packages is None:
+        if packages is None:
             off = self.stats.warm_start_off or "the compile cache is off"
             why = f"it needs warm-start packages, and there are none here ({off})"
         else:
@@ -180,5 +178,7 @@ class CompiledFlux(torch.nn.Module):
                 out = self.runner(key, x, timestep, context, transformer_options, kwargs, watch.loading_package)
             if self.cache is not None:
                 self.cache.save()
+            if self.separate is not None:  # graph_capture "call": the index of the shape's per-block packages
+                self.separate.record(self, key, x, timestep, context, transformer_options, kwargs)
         self.telemetry.count_call(self.runner.paused)
         return out

@@ -41,7 +41,7 @@ from .kernel_cache import KernelCache
 from .reductions import persistent
 from .rope import torch_rope
 from .runner import recompile_budget
-from .warm_start import NotPackageable, WarmStart, aot_compile, call_description, portable, signature
+from .warm_start import NotPackageable, Packages, WarmStart, aot_compile, call_description, portable, signature
 
 log = logging.getLogger("fluxaccel.compile")
 
@@ -224,13 +224,12 @@ class SeparateCompiles:
     def _start_for(self, compiled, key, x, timestep, context, transformer_options: dict, kwargs: dict) -> Job | None:
         """Start the separate compile of this call's shape; None where its package is on disk already, or the call
         cannot have one (the runner then loads it, or compiles here and says why)."""
+        sig = self._signature(compiled, x, timestep, context, transformer_options, kwargs)
+        if sig is None:
+            return None
+        if compiled.packages.store.blocks_on_disk(sig) if self.config.captured else compiled.packages.on_disk(sig):
+            return None
         call_kwargs = compiled.runner.call_kwargs(context, transformer_options, kwargs)
-        try:
-            sig = signature((x, timestep), portable(call_kwargs))
-        except NotPackageable:
-            return None
-        if compiled.packages.on_disk(sig):
-            return None
         job = self.start(key, sig, compiled.runner.dm, (x, timestep), call_kwargs)
         compiled.stats.separate[key] = job.describe()
         compiled.telemetry.notify()
@@ -241,6 +240,27 @@ class SeparateCompiles:
 
             job.watch(done)
         return job
+
+    @staticmethod
+    def _signature(compiled, x, timestep, context, transformer_options: dict, kwargs: dict) -> str | None:
+        """The whole call's signature (what a separate compile is started for), or None where a package cannot stand
+        for the call."""
+        call_kwargs = compiled.runner.call_kwargs(context, transformer_options, kwargs)
+        try:
+            return signature((x, timestep), portable(call_kwargs))
+        except NotPackageable:
+            return None
+
+    def record(self, compiled, key, x, timestep, context, transformer_options: dict, kwargs: dict) -> None:
+        """After a shape's first compiled call here (graph_capture "call": its blocks compiled or loaded in this
+        process): write the index of its per-block packages, so that a restart loads them instead of starting a
+        separate compile."""
+        if not self.config.captured:
+            return
+        blocks = compiled.packages.blocks_of(key)
+        sig = self._signature(compiled, x, timestep, context, transformer_options, kwargs)
+        if blocks and sig is not None and not compiled.packages.store.blocks_on_disk(sig):
+            compiled.packages.store.save_blocks(sig, blocks)
 
     def _refuse(self, key, job: Job) -> Job:
         self.jobs[key] = job
@@ -271,15 +291,23 @@ def _compile(job: dict, dm: torch.nn.Module, device: torch.device, t0: float) ->
         differs = sorted(k for k in here if here[k] != h["call"].get(k))
         return {"saved": False, "error": f"the call rebuilt in the separate process differs in {', '.join(differs)}"}
     cfg = CompileConfig(**h["config"])
-    regions = for_config(dm, cfg, device)
+    store = WarmStart(h["key"], Path(h["cache_dir"]))
+    # graph_capture "call": each block kind compiled on its own into its package, in a run of the model's call
+    packages = Packages(store, cfg.inductor_options(device)) if cfg.captured else None
+    regions = for_config(dm, cfg, device, packages)
     if regions is not None:
+        regions.shape = h["signature"]
         kwargs["transformer_options"] = {**regions.transformer_options(), **kwargs["transformer_options"]}
     log.info("FluxAccel compile process: rebuilt the model and its call in %.1f s", time.perf_counter() - t0)
     cache = KernelCache(h["key"], Path(h["cache_dir"]))
     cache.load()
     with cache.recording(), recompile_budget(), torch_rope(), persistent():
-        fn = aot_compile(dm, cfg.inductor_options(device), args, kwargs)
-    saved = WarmStart(h["key"], Path(h["cache_dir"])).save(h["signature"], fn)
+        if packages is None:
+            saved = store.save(h["signature"], aot_compile(dm, cfg.inductor_options(device), args, kwargs))
+        else:
+            dm(*args, **kwargs)  # the model around the blocks runs as it is, as in the server
+            blocks = packages.blocks_of(h["signature"])
+            saved = bool(blocks) and store.save_blocks(h["signature"], blocks)
     cache.save()
     seconds = round(time.perf_counter() - t0, 1)
     log.info("FluxAccel compile process: compiled in %.1f s, package %s", seconds, "saved" if saved else "NOT saved")

@@ -212,6 +212,31 @@ class WarmStart:
                         path, type(e).__name__, e)
             return None
 
+    def blocks_path(self, sig: str) -> Path:
+        return self.dir / f"{self.key}-{sig}.blocks"
+
+    def blocks_on_disk(self, sig: str) -> bool:
+        """Whether a whole call of this signature has its per-block packages on disk (graph_capture "call"): its
+        index names them, and each is there."""
+        try:
+            names = json.loads(self.blocks_path(sig).read_text())["blocks"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        return bool(names) and all(self.path(b).is_file() for b in names)
+
+    def save_blocks(self, sig: str, blocks: list[str]) -> bool:
+        """Write the index of a whole call's per-block packages (temporary name, then rename)."""
+        path = self.blocks_path(sig)
+        try:
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"key": self.key, "signature": sig, "blocks": sorted(blocks)}))
+            os.replace(tmp, path)
+            return True
+        except OSError as e:
+            log.warning("FluxAccel: could not save the block index %s (%s); a restart compiles this shape's blocks in "
+                        "a separate process again", path, e)
+            return False
+
     def save(self, sig: str, fn) -> bool:
         """Write the package (temporary name, then rename: workers may share the folder)."""
         path = self.path(sig)
@@ -247,6 +272,7 @@ class Packages:
         self.outcome: dict = {}
         self.load_seconds: dict = {}
         self.pending: dict[str, concurrent.futures.Future] = {}  # packages loading in the background (prefetch)
+        self.signature_of: dict = {}  # outcome key (a shape, or a block kind at a shape) -> its package's signature
 
     def prefetch(self, limit: int, device: torch.device) -> str:
         """Start loading this model's packages on disk (the `limit` newest) in a background thread, so
@@ -294,9 +320,18 @@ class Packages:
                 log.warning("FluxAccel: %s has no warm-start package: %s; it compiles with torch.compile instead, "
                             "which a restarted ComfyUI traces again", key.describe(), e)
             return None
+        self.signature_of[key] = sig
         if sig not in self.calls:
             self.calls[sig] = self._load_or_compile(key, sig, dm, args, kwargs, loading, fn)
         return self.calls[sig]
+
+    def blocks_of(self, shape) -> list[str] | None:
+        """The signatures of the per-block packages a call at `shape` used (graph_capture "call"), where every block
+        kind's package was saved or loaded; None otherwise."""
+        parts = [k for k in self.signature_of if getattr(k, "shape", None) == shape]
+        if not parts or any(self.outcome.get(k) not in ("saved", "loaded") for k in parts):
+            return None
+        return [self.signature_of[k] for k in parts]
 
     def outcome_of(self, key) -> tuple[str | None, float | None]:
         """(how this shape's compiled call came about, seconds its packages took to load): its own outcome, or that of

@@ -182,7 +182,8 @@ def test_compiled_flux_blocks_compiled_on_their_own_and_calls_captured(fresh_dyn
     from support.runs import sample
 
     model = build_flux(dtype=torch.float32)
-    cfg = CompileConfig(graph_capture="call", separate_process=True)
+    # compiled in this process (the C++ wrapper patched in below; test_separate.py has the separate process)
+    cfg = CompileConfig(graph_capture="call", separate_process=False)
     gpu = cfg.inductor_options(torch.device("cuda"))
     assert not cfg.nested_regions and gpu["cpp_wrapper"] is True and gpu["triton.cudagraphs"] is False
     assert gpu["cpp.vec_isa_ok"] is False  # the GPU wrapper's CPU ISA is not checked (config.py)
@@ -201,8 +202,6 @@ def test_compiled_flux_blocks_compiled_on_their_own_and_calls_captured(fresh_dyn
     compiled, clone = compiled_flux()
     assert compiled.runner.compiled is dm and compiled.runner.packages is None and compiled.separate is None
     assert compiled.regions._double is not block_regions._double  # compiled on its own, not a nested region
-    assert any(d.what == "compile in a separate process" and "graph_capture 'call'" in d.why
-               for d in compiled.stats.degradations)
     ref = sample(remove_compile(clone), steps=3)
     first = sample(clone, steps=3)
     again = sample(clone, steps=3)

@@ -63,6 +63,40 @@ def test_first_call_runs_uncompiled_then_the_separate_package_is_loaded(fp8_mode
     assert rel_err(second, first) < 2e-2
 
 
+@pytest.mark.fresh_compile
+def test_graph_capture_call_compiles_its_blocks_in_a_separate_process(fp8_model, tmp_path, monkeypatch, caplog):
+    """graph_capture "call": the separate process runs the model's call once, compiling each block kind into its
+    package, and writes the call's index of them; this process runs uncompiled meanwhile, then loads both packages
+    (nothing traced here); a restart finds the index and loads them at its first call, with no process started."""
+    caplog.set_level(logging.INFO, logger="fluxaccel")
+    monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path / "cache"))
+    clear_compile_counters()
+    cfg = CompileConfig(graph_capture="call", separate_process=True)
+    model, compiled = apply_compile(fp8_model, cfg)
+    assert compiled.separate is not None and not compiled.stats.degradations
+    first = denoise_once(model)
+    assert torch.equal(first, _uncompiled(model)) and compiled.stats.uncompiled_while_compiling == 1
+    with compiled.compiling_here():
+        second = denoise_once(model)
+    (job,) = compiled.separate.jobs.values()
+    assert job.state == "ready", job.why
+    assert compiled_graphs() == 2 and list(compiled.stats.warm_start.values()) == ["loaded"]  # both kinds loaded
+    store = compiled.packages.store
+    (index,) = store.dir.glob("*.blocks")
+    assert len(store.signatures()) == 2 and store.blocks_on_disk(index.name[len(store.key) + 1:-len(".blocks")])
+    # the same as the blocks compiled in this process (its own cache folder)
+    monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path / "in-process"))
+    here, c2 = apply_compile(fp8_model, CompileConfig(graph_capture="call", separate_process=False))
+    assert torch.equal(second, denoise_once(here)) and list(c2.stats.warm_start.values()) == ["saved"]
+    # a restart: the index is found, no process starts, the packages load in the first call
+    monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path / "cache"))
+    clear_compile_counters()
+    restarted, c3 = apply_compile(fp8_model, cfg)
+    assert torch.equal(denoise_once(restarted), second)
+    assert not c3.separate.jobs and c3.stats.eager_calls == 0 and list(c3.stats.warm_start.values()) == ["loaded"]
+    assert compiled_graphs() == 2
+
+
 def job_key(compiled):
     (key,) = compiled.stats.shapes
     return key
