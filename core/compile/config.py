@@ -18,7 +18,7 @@ OWN_MODES: dict[str, dict] = {"tuned-kernels": {"coordinate_descent_tuning": Tru
 POLICIES: tuple[str, ...] = ("strict", "recompile", "eager_fallback")
 ATTENTIONS: tuple[str, ...] = ("cudnn", "fp8")  # fp8: FlashAttention-3's FP8 kernel (fp8_attention.py), opt-in
 SINGLE_BLOCKS: tuple[str, ...] = ("fluxaccel", "comfyui")  # whose single-block forward the regions run
-GRAPH_CAPTURES: tuple[str, ...] = ("inductor", "call")
+GRAPH_CAPTURES: tuple[str, ...] = ("auto", "inductor", "call")
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,9 @@ class CompileConfig:
     # who makes the CUDA graphs: "inductor" -- its cudagraph trees over the whole-model compile, which need PyTorch's
     # native allocator (ComfyUI --disable-cuda-malloc); "call" -- each kind of block compiled on its own with
     # inductor's C++ wrapper and each model call captured whole by FluxAccel (call_graphs.py), under any allocator
-    # (ComfyUI's default cudaMallocAsync included); a warm-start package per block kind, no separate-process compile
-    graph_capture: Literal["inductor", "call"] = "inductor"
+    # (ComfyUI's default cudaMallocAsync included), a warm-start package per block kind; "auto" -- "call" where it can
+    # run (a CUDA device with graphs on, block_regions, a C++ compiler), "inductor" elsewhere (patch.resolve_capture)
+    graph_capture: Literal["auto", "inductor", "call"] = "auto"
     # the sampler's CPU inputs (the conditioning) copied to the GPU through pinned memory without the host waiting
     # (staging.py); off: ComfyUI's own blocking copy in every model call
     stage_inputs: bool = True
@@ -80,7 +81,8 @@ class CompileConfig:
             ("each kind of block" if self.captured else "whole model") + ", compiled on first use" +
             (f" (mode {self.mode})" if self.mode != "default" else ""),
             "CUDA graphs " + ("off" if not self.cuda_graphs else "on" if self.graph_capture == "inductor" else
-                              "on (each model call captured whole)"),
+                              "on (each model call captured whole)" if self.graph_capture == "call" else
+                              "on (each model call captured whole where a C++ compiler is found)"),
             f"shapes: {policy}",
             ("the model around the blocks uncompiled, the blocks through inductor's C++ wrapper" if self.captured
              else "repeated blocks compiled once") if self.block_regions else "every block compiled",

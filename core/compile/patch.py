@@ -83,9 +83,25 @@ def call_capture_unavailable() -> str:
     return ""
 
 
+def resolve_capture(cfg: CompileConfig, device: torch.device) -> tuple[CompileConfig, str]:
+    """(config, why not "call"): graph_capture "auto" made "call" where it can run -- a CUDA device, CUDA graphs on,
+    block_regions on and a C++ compiler found -- and "inductor" elsewhere (the CPU, graphs off, block_regions off, or
+    no C++ compiler: the reason is the second item then, '' in the other cases). Other values are kept."""
+    if cfg.graph_capture != "auto":
+        return cfg, ""
+    if cfg.cuda_graphs and cfg.block_regions and torch.device(device).type == "cuda":
+        why_not = call_capture_unavailable()
+        if not why_not:
+            return dataclasses.replace(cfg, graph_capture="call"), ""
+        return dataclasses.replace(cfg, graph_capture="inductor"), f"graph_capture 'call' cannot run here: {why_not}"
+    return dataclasses.replace(cfg, graph_capture="inductor"), ""
+
+
 def _graphs_under(cfg: CompileConfig, device: torch.device, node: str) -> tuple[CompileConfig, str]:
     """(config, why CUDA graphs are off or ""): graph_capture "call" where a C++ compiler is found (any allocator);
-    inductor's graphs where its cudagraph trees can run; otherwise graphs off, said why and what to set."""
+    inductor's graphs where its cudagraph trees can run; otherwise graphs off, said why and what to set. "auto" is
+    resolved first (resolve_capture)."""
+    cfg, no_call = resolve_capture(cfg, device)
     if not cfg.cuda_graphs or torch.device(device).type != "cuda":
         return cfg, ""
     if cfg.graph_capture == "call":
@@ -97,7 +113,7 @@ def _graphs_under(cfg: CompileConfig, device: torch.device, node: str) -> tuple[
         blockers = cuda_graph_blockers(device)
         if not blockers:
             return cfg, ""
-        graphs_off = "; ".join(blockers) + ", or set graph_capture to 'call'"
+        graphs_off = "; ".join(blockers) + (f"; and {no_call}" if no_call else ", or set graph_capture to 'call'")
     log.warning("FluxAccel: %s compiles without CUDA graphs: %s", node, graphs_off)
     return dataclasses.replace(cfg, cuda_graphs=False), graphs_off
 

@@ -62,7 +62,7 @@ def test_editor_in_a_real_browser(server):
     assert (shipped["widgets"]["block_regions"], shipped["widgets"]["attention"],
             shipped["widgets"]["separate_process"], shipped["widgets"]["single_blocks"],
             shipped["widgets"]["graph_capture"], shipped["widgets"]["stage_inputs"]) \
-        == (True, "cudnn", True, "fluxaccel", "inductor", True), shipped
+        == (True, "cudnn", True, "fluxaccel", "auto", True), shipped
     assert set(r["loadedTypes"]) >= (ours - {"FluxAccelQuantizeFP8"}) | {"UNETLoader"}
     w = r["benchmarkWidgets"]  # widget values land on the right widgets (seed's control_after_generate included)
     assert (w["cfg"], w["sampler_name"], w["scheduler"], w["steps"]) == (1.0, "euler", "simple", 2), w

@@ -234,14 +234,63 @@ def test_graph_capture_call_or_graphs_off_said(monkeypatch):
     cfg, off = patch._graphs_under(CompileConfig(graph_capture="call"), cuda, "node")
     assert cfg.captured and not off
     assert "each model call captured whole" in cfg.summary() and "each kind of block, compiled" in cfg.summary()
-    cfg, off = patch._graphs_under(CompileConfig(), cuda, "node")
+    cfg, off = patch._graphs_under(CompileConfig(graph_capture="inductor"), cuda, "node")
     assert not cfg.cuda_graphs and "cudaMallocAsync here" in off and "graph_capture to 'call'" in off
     monkeypatch.setattr(torch_internals, "cpp_compiler", lambda: "")
     cfg, off = patch._graphs_under(CompileConfig(graph_capture="call"), cuda, "node")
     assert not cfg.cuda_graphs and "graph_capture 'call' cannot run here" in off and "no C++ compiler" in off
     monkeypatch.setattr(patch, "cuda_graph_blockers", lambda device: [])
-    assert patch._graphs_under(CompileConfig(), cuda, "node") == (CompileConfig(), "")
+    inductor = CompileConfig(graph_capture="inductor")
+    assert patch._graphs_under(inductor, cuda, "node") == (inductor, "")
     assert patch._graphs_under(CompileConfig(graph_capture="call"), torch.device("cpu"), "node")[1] == ""
+
+
+def test_graph_capture_auto_is_call_where_it_can_run(monkeypatch):
+    """graph_capture "auto" (the default): "call" on a CUDA device with graphs and block_regions on and a C++ compiler;
+    "inductor" on the CPU, with graphs or block_regions off, and where no C++ compiler is found -- then under
+    cudaMallocAsync graphs are off and the reason names both."""
+    from fluxaccel.core.compile import patch
+    from fluxaccel.core.compile.config import CompileConfig
+    from fluxaccel.core.upstream import torch_internals
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert CompileConfig().graph_capture == "auto" and not CompileConfig().captured
+    monkeypatch.setattr(torch_internals, "cpp_compiler", lambda: "/usr/bin/g++")
+    monkeypatch.setattr(patch, "cuda_graph_blockers", lambda device: ["cudaMallocAsync here"])
+    cfg, off = patch._graphs_under(CompileConfig(), cuda, "node")
+    assert cfg.graph_capture == "call" and cfg.captured and off == ""
+    assert patch.resolve_capture(CompileConfig(), cpu) == (CompileConfig(graph_capture="inductor"), "")
+    assert patch.resolve_capture(CompileConfig(cuda_graphs=False), cuda)[0].graph_capture == "inductor"
+    assert patch.resolve_capture(CompileConfig(block_regions=False), cuda)[0].graph_capture == "inductor"
+    assert patch.resolve_capture(CompileConfig(graph_capture="inductor"), cuda)[0].graph_capture == "inductor"
+    monkeypatch.setattr(torch_internals, "cpp_compiler", lambda: "")
+    cfg, why = patch.resolve_capture(CompileConfig(), cuda)
+    assert cfg.graph_capture == "inductor" and "graph_capture 'call' cannot run here" in why and "C++ compiler" in why
+    cfg, off = patch._graphs_under(CompileConfig(), cuda, "node")
+    assert not cfg.cuda_graphs and "cudaMallocAsync here" in off and "graph_capture 'call' cannot run here" in off
+    monkeypatch.setattr(patch, "cuda_graph_blockers", lambda device: [])
+    assert patch._graphs_under(CompileConfig(), cuda, "node") == (CompileConfig(graph_capture="inductor"), "")
+
+
+@pytest.mark.parametrize("arch", ["flux2", "chroma"])
+def test_call_mode_compiles_flux2_and_chroma_blocks_on_their_own(arch, fresh_dynamo):
+    """graph_capture "call" (what "auto" is on a GPU) for FLUX.2 and Chroma: each block kind compiled on its own, the
+    model around them uncompiled; the output equals eager's (float32, the CPU: no capture here)."""
+    from fluxaccel.core.compile.config import CompileConfig
+    from fluxaccel.core.compile.patch import apply_compile
+    from support.models import build_flux
+    from support.runs import denoise_once
+    from support.shapes import TINY_CHROMA, TINY_FLUX2
+
+    shape = {"flux2": TINY_FLUX2, "chroma": TINY_CHROMA}[arch]
+    model = build_flux({**shape, "depth": 2, "depth_single_blocks": 3}, dtype=torch.float32)
+    hw = 8 if arch == "flux2" else 16
+    ref = denoise_once(model, hw=hw)
+    compiled_model, compiled = apply_compile(model, CompileConfig(graph_capture="call", persistent_cache=False,
+                                                                  warm_start=False, separate_process=False))
+    assert compiled.cfg.captured and compiled.runner.compiled is compiled.runner.dm
+    assert rel_err(denoise_once(compiled_model, hw=hw), ref) < 1e-4
+    assert fresh_dynamo["stats"]["unique_graphs"] == 2  # one per block kind
 
 
 def test_config_refuses_what_call_capture_cannot_do():
