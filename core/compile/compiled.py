@@ -170,9 +170,8 @@ class CompiledFlux(torch.nn.Module):
             self.stats.eager_calls += 1  # uncompiled while a separate process compiles the shape: counted, shown
             self.stats.uncompiled_while_compiling += 1
             return self._dm(x, timestep, context=context, transformer_options=transformer_options, **kwargs)
-        else:  # the artifacts of this compile are recorded for this model's kernel-cache file only
+        else:  # artifacts recorded for this model's kernel-cache file only; the CPU ISA list the options set: not kept
             recording = self.cache.recording() if self.cache is not None else contextlib.nullcontext()
-            # the compile may set inductor's cpp.vec_isa_ok for its GPU code (config.py): not kept for the process
             with self.telemetry.first_call(key, transformer_options, x) as watch, recording, \
                     torch_internals.vec_isa_list_kept():
                 out = self.runner(key, x, timestep, context, transformer_options, kwargs, watch.loading_package)
