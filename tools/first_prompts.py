@@ -53,10 +53,13 @@ CONFIGS = {
     # name: the nodes between UNETLoader ("1") and the KSampler, as (id, class, inputs with "MODEL" for the model)
     "fluxaccel": fluxaccel(),
     "fastest": fluxaccel({"scope": "blocks+modulation"}, block_regions=False),
-    # the default without CUDA graphs (what the default runs under cudaMallocAsync)
+    # the default without CUDA graphs (what graph_capture "inductor" runs under cudaMallocAsync)
     "graphs-off": fluxaccel(cuda_graphs=False),
-    # the default with graph_capture "call": blocks compiled on their own, each model call captured (any allocator)
+    # graph_capture "call" set explicitly (what the default, "auto", runs on a GPU with a C++ compiler): blocks
+    # compiled on their own, each model call captured (any allocator)
     "graphs-call": fluxaccel(graph_capture="call"),
+    # inductor's CUDA graph trees over the whole-model compile (graphs off under cudaMallocAsync, said)
+    "graphs-inductor": fluxaccel(graph_capture="inductor"),
     # the default and graphs-call with ComfyUI's own (blocking) copy of the sampler's CPU inputs at every call
     "fluxaccel-unstaged": fluxaccel(stage_inputs=False),
     "graphs-call-unstaged": fluxaccel(graph_capture="call", stage_inputs=False),

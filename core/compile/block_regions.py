@@ -176,11 +176,13 @@ def for_config(dm: torch.nn.Module, cfg, device: torch.device, packages=None) ->
 class BlockCall:
     """One kind of block at one shape: what a per-block warm-start package stands for (its outcome's key)."""
 
-    shape: object  # the call's ShapeKey
+    shape: object  # the call's ShapeKey (in a separate compile process: the call's signature)
     kind: str
 
     def describe(self) -> str:
-        return f"{self.kind} blocks at {self.shape.describe() if self.shape is not None else 'an unnamed shape'}"
+        at = self.shape.describe() if hasattr(self.shape, "describe") else \
+            f"call {self.shape}" if self.shape is not None else "an unnamed shape"
+        return f"{self.kind} blocks at {at}"
 
 
 class _Packaged:

@@ -148,6 +148,21 @@ def test_background_load_sets_the_wrappers_cpu_isa_for_its_own_duration(tmp_path
     assert seen == [False] and packages.pending["s" * 16].result() is not None and ic.cpp.vec_isa_ok == before
 
 
+def test_block_index_counts_only_where_every_package_it_names_is_there(tmp_path):
+    """graph_capture "call": a whole call's index of per-block packages stands for them only while each is on disk; a
+    damaged index or a missing package means the shape compiles again (no index: nothing is claimed)."""
+    from fluxaccel.core.compile.block_regions import BlockCall
+
+    w, path, head = _package(tmp_path)
+    path.write_bytes(head + b"payload")
+    assert not w.blocks_on_disk("c" * 16)
+    assert w.save_blocks("c" * 16, ["s" * 16]) and w.blocks_on_disk("c" * 16)
+    w.blocks_path("c" * 16).write_text("{not json")
+    assert not w.blocks_on_disk("c" * 16)
+    assert w.save_blocks("c" * 16, ["s" * 16, "t" * 16]) and not w.blocks_on_disk("c" * 16)  # one package missing
+    assert BlockCall("c" * 16, "double_block").describe() == f"double_block blocks at call {'c' * 16}"
+
+
 def test_missing_package_is_silent(tmp_path, caplog):
     w, _, _ = _package(tmp_path)
     with caplog.at_level("WARNING", logger="fluxaccel.cache"):
