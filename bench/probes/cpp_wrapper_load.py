@@ -26,23 +26,11 @@ def child(step: str, work: Path) -> None:
     from tools.plugin import register
 
     register()
-    import torch._inductor.cpp_builder as cpp_builder
-
     from fluxaccel.core.compile import warm_start
     from fluxaccel.core.upstream import torch_internals
+    from warm_start import count_builds  # bench/probes/warm_start.py, beside this file
 
-    builds: list[float] = []
-    build = cpp_builder.CppBuilder.build
-
-    def counted(self, *a, **k):
-        t = time.perf_counter()
-        try:
-            return build(self, *a, **k)
-        finally:
-            builds.append(round(time.perf_counter() - t, 2))
-            print(f"PROBE   build {builds[-1]:.2f} s: {self.get_target_file_path()}")
-
-    cpp_builder.CppBuilder.build = counted
+    builds = count_builds()
     device = os.environ.get("PROBE_DEVICE", "cpu")
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64)).to(device)
@@ -55,7 +43,10 @@ def child(step: str, work: Path) -> None:
     else:
         fn = torch.compiler.load_compiled_function(io.BytesIO((work / "package").read_bytes()))
         fn(m, x)
-    print(f"PROBE {step}: {time.perf_counter() - t:.2f} s, {len(builds)} C++ build(s) taking {sum(builds):.2f} s")
+    for target, seconds in builds:
+        print(f"PROBE   build {seconds:.2f} s: {target}")
+    print(f"PROBE {step}: {time.perf_counter() - t:.2f} s, {len(builds)} C++ build(s) taking "
+          f"{sum(s for _, s in builds):.2f} s")
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _count_builds() -> list[tuple[str, float]]:
+def count_builds() -> list[tuple[str, float]]:
     """(target, seconds) of every C++ build inductor runs in this process from now on."""
     import torch._inductor.cpp_builder as cpp_builder
 
@@ -85,7 +85,7 @@ def child(role: str, calls: int, size: int, out_file: str, device: str, graph_ca
     t_start = time.perf_counter()
     import torch
 
-    builds = _count_builds()
+    builds = count_builds()
 
     sys.path.insert(0, str(ROOT))
     from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
