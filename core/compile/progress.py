@@ -68,7 +68,11 @@ class CompileWatch:
         finally:
             self.loading = False
 
-    def text(self, elapsed: float) -> str:
+    def text(self, elapsed: float | None) -> str:
+        """The report at `elapsed` seconds; None: the call's start, before it is known whether it traces the model or
+        loads a warm-start package."""
+        if elapsed is None:
+            return f"compiling {self.what}: 0 s, starting"
         doing = "loading the warm-start package" if self.loading else phase(self._before, _counts())
         return f"compiling {self.what}: {elapsed:.0f} s, {doing}"
 
@@ -87,7 +91,7 @@ class CompileWatch:
     def __enter__(self) -> "CompileWatch":
         self._before, self._t0 = _counts(), time.perf_counter()
         if self.report is not None:
-            self._send(self.text(0.0), 0.0)
+            self._send(self.text(None), 0.0)
             self._thread = threading.Thread(target=self._loop, name="fluxaccel-compile-progress", daemon=True)
             self._thread.start()
         return self

@@ -47,7 +47,7 @@ def test_a_real_compile_reports_its_phases_until_ready(tiny_flux):
     assert torch.isfinite(out).all() and c.stats.calls == 1
     texts = [s for s, _ in seen]
     what = "batch 1, latent 16x16 (128x128 px), 16 text tokens, bfloat16"
-    assert texts[0] == f"compiling {what}: 0 s, tracing the model (dynamo)", texts
+    assert texts[0] == f"compiling {what}: 0 s, starting", texts  # tracing or loading a package: not known yet
     assert re.fullmatch(rf"compiling {re.escape(what)}: ready after [\d.]+ s", texts[-1]), texts
     assert len(seen) >= 3 and [s for _, s in seen] == sorted(s for _, s in seen), seen
     phases = {s.split(" s, ", 1)[1] for s in texts[1:-1]}
