@@ -147,9 +147,18 @@ class KernelCache:
             return False
 
 
+def _is_block_index(f: Path) -> bool:
+    """Whether f is a block index FluxAccel wrote (WarmStart.save_blocks)."""
+    try:
+        index = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(index, dict) and {"key", "signature", "blocks"} <= index.keys()
+
+
 def clear(directory: Path | None = None) -> int:
-    """Delete FluxAccel's compile-cache files, warm-start packages and FP8 weights files (only files that carry our
-    headers)."""
+    """Delete FluxAccel's compile-cache files, warm-start packages and their block indexes, the separate compiles' logs
+    and FP8 weights files (only files that carry our headers or names)."""
     from .warm_start import MAGIC as WARM_MAGIC, SUFFIX as WARM_SUFFIX
 
     d = Path(directory) if directory else default_dir()
@@ -160,6 +169,10 @@ def clear(directory: Path | None = None) -> int:
                 if fh.read(len(magic)) == magic:
                     f.unlink()
                     n += 1
+    for f in d.glob("*.blocks") if d.is_dir() else []:  # graph_capture "call": a call's index of its block packages
+        if _is_block_index(f):
+            f.unlink()
+            n += 1
     for f in d.glob("*.compile*.log") if d.is_dir() else []:  # the separate compile processes' logs (separate.py)
         if LOG_NAME.fullmatch(f.name):
             f.unlink()

@@ -76,8 +76,13 @@ def test_clear_removes_only_our_files(tmp_path):
     save_file({"x": torch.zeros(2)}, str(weights / "theirs.safetensors"))
     (tmp_path / f"{'a' * 32}-{'0' * 16}.compile123.log").write_text("a separate compile process's log")
     (tmp_path / "notes.compile1.log").write_text("someone else's")
-    assert clear(tmp_path) == 3
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin", "c.txt", "fp8-weights", "notes.compile1.log"]
+    from fluxaccel.core.compile.warm_start import WarmStart
+
+    WarmStart("a" * 32, tmp_path).save_blocks("0" * 16, ["1" * 16, "2" * 16])  # graph_capture "call": a block index
+    (tmp_path / "other.blocks").write_text("[1, 2]")
+    assert clear(tmp_path) == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin", "c.txt", "fp8-weights", "notes.compile1.log",
+                                                          "other.blocks"]
     assert [p.name for p in weights.iterdir()] == ["theirs.safetensors"]
 
 
