@@ -133,6 +133,13 @@ def execution_seconds(hist: dict) -> float:
     return (stamps["execution_success"] - stamps["execution_start"]) / 1000
 
 
+def node_text(hist: dict, node: str) -> str | None:
+    """The text a node showed in the editor for this prompt (its PreviewText), or None where it showed none: the
+    Compile node's says what it compiled and whatever runs below what was asked (e.g. graph_capture auto's choice)."""
+    text = ((hist.get("outputs") or {}).get(node) or {}).get("text")
+    return "\n".join(map(str, text)) if text else None
+
+
 def split_summary(lines: list[dict]) -> dict:
     """The median of the steady prompts' splits (tools/prompt_split_node), with where the GPU waited: before the
     first model call, between calls, and how long the prompt went on after the GPU had ended the last call."""
@@ -241,6 +248,7 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
                         latents[config] = server.saved_latent(hist, "8")
                     if seed == 1:  # a separate-process compile started by this prompt: wait until it has ended
                         separate = next(iter(server.separate_compiles(since=log_at)), {})
+                        compile_text = node_text(hist, f"{config}-6")  # the Compile node's text, where there is one
                 steady, splits = [], []
                 for seed in range(11, 11 + a.steady):
                     log.info("%s: steady prompt (seed %d)", config, seed)
@@ -254,7 +262,8 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
 
                     memory["weights_in_memory_gib"] = round(param_count(case["shape"]) * 2 / 1024**3, 2)
                     memory["peak_rss_over_weights"] = round(memory["server_peak_rss_gib"] / memory["weights_in_memory_gib"], 2)
-                rows.append({"config": config, "first_prompt_s": round(times[0], 3), "second_prompt_s": round(times[1], 3),
+                rows.append({"config": config, **({"compile_text": compile_text} if compile_text else {}),
+                             "first_prompt_s": round(times[0], 3), "second_prompt_s": round(times[1], 3),
                              # with a separate-process compile: the first prompt ran uncompiled; the second (queued
                              # once the compile was ready) loads its package, the third is the steady state
                              **({"third_prompt_s": round(times[2], 3), **separate} if separate else {}),

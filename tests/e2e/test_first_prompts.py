@@ -24,6 +24,9 @@ def test_first_prompts_of_a_fresh_and_a_restarted_comfyui(tmp_path, e2e_model_fi
     for start, res in runs.items():
         assert res["start"] == start and res["complete"] and res["command"].startswith("python tools/first_prompts.py")
         assert [r["config"] for r in res["results"]] == ["fluxaccel", "eager"]
+        # the Compile node's own text: what it compiled (graph_capture auto is 'inductor' on the CPU: the whole model)
+        assert res["results"][0]["compile_text"].startswith("whole model, compiled on first use")
+        assert "compile_text" not in res["results"][1]
         assert all(r["first_prompt_s"] > 0 and r["second_prompt_s"] > 0 for r in res["results"])
         for r in res["results"]:  # --steady 2: two more prompts each, and their median
             assert len(r["steady_prompts_s"]) == 2 and r["steady_median_s"] == pytest.approx(
