@@ -100,12 +100,13 @@ def resolve_capture(cfg: CompileConfig, device: torch.device) -> tuple[CompileCo
 def _graphs_under(cfg: CompileConfig, device: torch.device, node: str) -> tuple[CompileConfig, str]:
     """(config, why CUDA graphs are off or ""): graph_capture "call" where a C++ compiler is found (any allocator);
     inductor's graphs where its cudagraph trees can run; otherwise graphs off, said why and what to set. "auto" is
-    resolved first (resolve_capture)."""
+    resolved first (resolve_capture), which has checked "call" already where it chose it."""
+    checked = cfg.graph_capture == "auto"
     cfg, no_call = resolve_capture(cfg, device)
     if not cfg.cuda_graphs or torch.device(device).type != "cuda":
         return cfg, ""
     if cfg.graph_capture == "call":
-        why_not = call_capture_unavailable()
+        why_not = "" if checked else call_capture_unavailable()
         if not why_not:
             return cfg, ""
         graphs_off = f"graph_capture 'call' cannot run here: {why_not}"

@@ -224,12 +224,12 @@ class SeparateCompiles:
     def _start_for(self, compiled, key, x, timestep, context, transformer_options: dict, kwargs: dict) -> Job | None:
         """Start the separate compile of this call's shape; None where its package is on disk already, or the call
         cannot have one (the runner then loads it, or compiles here and says why)."""
-        sig = self._signature(compiled, x, timestep, context, transformer_options, kwargs)
+        call_kwargs = compiled.runner.call_kwargs(context, transformer_options, kwargs)
+        sig = self._signature(x, timestep, call_kwargs)
         if sig is None:
             return None
         if compiled.packages.store.blocks_on_disk(sig) if self.config.captured else compiled.packages.on_disk(sig):
             return None
-        call_kwargs = compiled.runner.call_kwargs(context, transformer_options, kwargs)
         job = self.start(key, sig, compiled.runner.dm, (x, timestep), call_kwargs)
         compiled.stats.separate[key] = job.describe()
         compiled.telemetry.notify()
@@ -242,10 +242,9 @@ class SeparateCompiles:
         return job
 
     @staticmethod
-    def _signature(compiled, x, timestep, context, transformer_options: dict, kwargs: dict) -> str | None:
+    def _signature(x, timestep, call_kwargs: dict) -> str | None:
         """The whole call's signature (what a separate compile is started for), or None where a package cannot stand
         for the call."""
-        call_kwargs = compiled.runner.call_kwargs(context, transformer_options, kwargs)
         try:
             return signature((x, timestep), portable(call_kwargs))
         except NotPackageable:
@@ -255,11 +254,11 @@ class SeparateCompiles:
         """After a shape's first compiled call here (graph_capture "call": its blocks compiled or loaded in this
         process): write the index of its per-block packages, so that a restart loads them instead of starting a
         separate compile."""
-        if not self.config.captured:
+        blocks = compiled.packages.blocks_of(key) if self.config.captured else None
+        if not blocks:
             return
-        blocks = compiled.packages.blocks_of(key)
-        sig = self._signature(compiled, x, timestep, context, transformer_options, kwargs)
-        if blocks and sig is not None and not compiled.packages.store.blocks_on_disk(sig):
+        sig = self._signature(x, timestep, compiled.runner.call_kwargs(context, transformer_options, kwargs))
+        if sig is not None and not compiled.packages.store.blocks_on_disk(sig):
             compiled.packages.store.save_blocks(sig, blocks)
 
     def _refuse(self, key, job: Job) -> Job:
