@@ -3,7 +3,7 @@
 # fa3-fwd wheel from PyPI) in its site folder, for the rows that run the Compile node's attention 'fp8'. To fit one
 # device call (64 MiB with the tracked files) it leaves out what no benchmark reads: the text encoders' tokenizer files,
 # torchao's CUTLASS kernels (FluxAccel's FP8 GEMMs are torch._scaled_mm) and SQLAlchemy's compiled speed-ups (it runs
-# without them). ~3 minutes on 2 cores. Then, on the device:
+# without them), and strips the compiled modules' symbol tables. ~3 minutes on 2 cores. Then, on the device:
 #   mkdir -p .gpu033 && cp .gpu033fa3/setup-on-device.sh .gpu033/ && KIT=.gpu033fa3 bash bench/device.sh ...
 # (carry [".gpu033fa3"]). `.probekit` for bench/probes/flux_blocks.py --fa3 is built the same way from the kit's site
 # without av, SQLAlchemy, alembic and mako (a probe starts no server).
@@ -17,7 +17,9 @@ python3 -m zipfile -e "$work"/wheel/fa3_fwd-*.whl "$work/site"
 rm -rf "$work/site/test"
 rm -f "$work"/site/torchao/_C_cutlass_90a.abi3.so "$work"/site/torchao/_C_mxfp8*.so
 find "$work/site/sqlalchemy" -name "*_cy*.so" -delete
-find "$work/ComfyUI/comfy/text_encoders" -type f \( -name "*.json" -o -name "*.txt" -o -name "*.model" \) -size +200k -delete
+find "$work/ComfyUI/comfy/text_encoders" "$work/ComfyUI/comfy/sd1_tokenizer" -type f \( -name "*.json" -o -name "*.txt" -o -name "*.model" \) -size +200k -delete
+# symbol tables only (what the loader reads, .dynsym, stays): the compiled modules and the libraries bundled with them
+find "$work/site" -name "*.so*" -type f -exec strip --strip-unneeded {} + 2>/dev/null || true
 mkdir -p .gpu033fa3
 (cd "$work" && tar cf - site ComfyUI) | xz -9 -T2 > .gpu033fa3/kit033.tar.xz
 cp "$KIT_SRC/setup-on-device.sh" .gpu033fa3/

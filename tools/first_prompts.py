@@ -73,6 +73,10 @@ CONFIGS = {
     "single-concat": fluxaccel(single_blocks="comfyui"),
     "tuned": fluxaccel(mode="tuned-kernels"),
     "fp8attn": fluxaccel(attention="fp8"),
+    # the per-step levers together: coordinate-descent tuning and FP8 attention, then FP8 modulation weights too
+    "tuned-fp8attn": fluxaccel(mode="tuned-kernels", attention="fp8"),
+    "mod-tuned-fp8attn": fluxaccel({"scope": "blocks+modulation"}, mode="tuned-kernels", attention="fp8"),
+    "mod-tuned": fluxaccel({"scope": "blocks+modulation"}, mode="tuned-kernels"),
     # Warmup's static activation scales (calibrated over the case's steps on the prompt's conditioning, node "2")
     "static": fluxaccel(warmup=STATIC_WARMUP),
     "static-fp8attn": fluxaccel(warmup=STATIC_WARMUP, attention="fp8"),
@@ -82,6 +86,7 @@ CONFIGS = {
     "fp8fast-torchcompile": [("5", "TorchCompileModel", {"backend": "inductor"})],
 }
 FP8_FAST = {"fp8fast-torchcompile"}
+PROFILE_KEYS = ("python", "torch", "kernels", "kernel_classes", "kernels_total_ms", "kernel_launches")
 
 
 def prompt_for(config: str, case: dict, unet_name: str, seed: int, flux2: bool, in_memory: bool = False) -> dict:
@@ -175,10 +180,15 @@ def main(argv=None) -> int:
                     "prompt's time split into its nodes, the sampler, the model calls and the GPU's idle time")
     ap.add_argument("--profile", action="store_true", help="with --split: the steady prompts also run under cProfile "
                     "and torch.profiler (the last one's tables in the JSON); their times are then the profilers' too")
+    ap.add_argument("--profile-extra", action="store_true", help="with --split: one more prompt of each configuration "
+                    "after its steady ones, under cProfile and torch.profiler (the GPU's kernels too): its tables in "
+                    "the JSON, the steady prompts' times unprofiled")
     ap.add_argument("--in-memory", action="store_true", help="build the random weights in the server's memory "
                     "(tools/memory_model_node) instead of a file UNETLoader reads: for shapes whose file does not fit "
                     "the disk (FLUX.2 [dev])")
     a = ap.parse_args(argv)
+    if (a.profile or a.profile_extra) and not a.split:
+        ap.error("--profile and --profile-extra need --split (the profiles are taken inside the server)")
     logging.basicConfig(level=logging.INFO, format="[fluxaccel] %(message)s")
     import torch
 
@@ -228,10 +238,13 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
             shutil.copy(server.log_path, path.with_suffix(".comfyui.log"))
 
     with tempfile.TemporaryDirectory(prefix="fluxaccel-first-") as work:
+        profile_flag = Path(work) / "profile-now"  # --profile-extra: a prompt starting while it exists is profiled
+        profile_env = ({"FLUXACCEL_PROMPT_PROFILE": "1"} if a.profile else
+                       {"FLUXACCEL_PROMPT_PROFILE": str(profile_flag)} if a.profile_extra else None)
         server = ComfyServer(comfy_dir, Path(work), Path(a.models_dir), tuple(server_args), cpu_fp8=meta["gpu"] == "cpu",
                              memory_model=a.in_memory, timestamps=True,
                              prompt_split=Path(work) / "prompt-split.jsonl" if a.split else None,
-                             env={"FLUXACCEL_PROMPT_PROFILE": "1"} if a.profile else None)
+                             env=profile_env)
         try:
             server.start()
             for config in a.configs:
@@ -256,6 +269,16 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
                     steady.append(execution_seconds(hist))
                     if a.split:
                         splits.append(server.prompt_split_of(hist))
+                profiled = None
+                if a.profile_extra and a.split:
+                    log.info("%s: one more prompt, profiled", config)
+                    profile_flag.touch()
+                    try:
+                        hist = server.run(prompt_for(config, case, unet_name, 99, flux2, a.in_memory), timeout=1800)
+                    finally:
+                        profile_flag.unlink()
+                    profiled = {"prompt_s_under_profilers": round(execution_seconds(hist), 3),
+                                **(server.prompt_split_of(hist) or {})}
                 memory.update(host_memory(server, unet_file))
                 if a.in_memory and memory.get("server_peak_rss_gib"):  # no file: the weights' bf16 size instead
                     from fluxaccel.core.models.synthetic import param_count
@@ -270,10 +293,12 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
                              **({"steady_prompts_s": [round(t, 3) for t in steady],
                                  "steady_median_s": round(statistics.median(steady), 3)} if steady else {}),
                              **({"steady_split": split_summary([x for x in splits if x]),
-                                 "steady_splits": [{k: v for k, v in x.items() if k not in ("python", "torch")}
+                                 "steady_splits": [{k: v for k, v in x.items() if k not in PROFILE_KEYS}
                                                    for x in splits if x],
-                                 "last_steady_profile": {k: splits[-1].get(k) for k in ("python", "torch")}
+                                 "last_steady_profile": {k: splits[-1].get(k) for k in PROFILE_KEYS}
                                  if a.profile and splits[-1] else None} if splits else {}),
+                             # --profile-extra: the profiled prompt after the steady ones (split and tables)
+                             **({"profiled_prompt": profiled} if profiled else {}),
                              # the kernel's high-water mark so far: what this configuration's prompts added to the peak
                              "server_peak_rss_gib_so_far": memory.get("server_peak_rss_gib"),
                              "server_anon_now_gib": memory.get("server_anon_now_gib"),

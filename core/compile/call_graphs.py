@@ -24,13 +24,14 @@ around them runs uncompiled, and each call is captured here whole, into one `tor
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from ..upstream import torch_internals
 
 log = logging.getLogger("fluxaccel.compile")
 
@@ -86,7 +87,7 @@ def rebuilt(value, tensors: list[torch.Tensor]):
 
 def weight_addresses(module: torch.nn.Module) -> tuple[int, ...]:
     """Where the module's weights and buffers are: what a captured graph reads."""
-    return tuple(t.data_ptr() for t in itertools.chain(module.parameters(), module.buffers()) if t is not None)
+    return tuple(t.data_ptr() for t in torch_internals.module_tensors(module))
 
 
 CHURN = 8  # structures of one shape key met once and not again, past which its inputs are said to churn

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 def test_first_prompts_of_a_fresh_and_a_restarted_comfyui(tmp_path, e2e_model_file):
     env = {**__import__("os").environ, "FLUXACCEL_CACHE_DIR": str(tmp_path / "cache")}
     p = subprocess.run([sys.executable, str(ROOT / "tools" / "first_prompts.py"), "--case", "tiny-cpu", "--configs",
-                        "fluxaccel", "eager", "--restart", "--steady", "2", "--split", "--profile", "--out", str(tmp_path / "out")],
+                        "fluxaccel", "eager", "--restart", "--steady", "2", "--split", "--profile-extra", "--out", str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     runs = {s: json.loads((tmp_path / "out" / f"cpu-tiny-cpu-first-prompts-fluxaccel-eager-{s}.json").read_text())
@@ -42,11 +42,16 @@ def test_first_prompts_of_a_fresh_and_a_restarted_comfyui(tmp_path, e2e_model_fi
                 assert split["first_call_host_s"] < split["last_return_host_s"] < split["prompt_s"]
                 assert split["gpu"] is None
             assert r["steady_split"]["gpu"] == "no CUDA device: the GPU's side cannot be told"
-            # --profile: the last steady prompt's host profile (its Python functions, torch's ops)
-            prof = r["last_steady_profile"]
+            # --profile-extra: one more prompt after the steady ones, profiled (its Python functions, torch's ops;
+            # no GPU, so no kernels); the steady prompts were not
+            assert r["last_steady_profile"] is None
+            prof = r["profiled_prompt"]
+            assert prof["model_calls"] == CASES["tiny-cpu"]["steps"] and prof["prompt_s_under_profilers"] > 0
             assert any("execute_async" in row[0] for row in prof["python"])
             assert any("common_ksampler" in row[0] for row in prof["python"])
             assert any(row[0].startswith("aten::") for row in prof["torch"])
+            assert prof["kernels"] == [] and prof["kernels_total_ms"] == 0 and prof["kernel_launches"] == 0
+            assert set(prof["kernel_classes"]) == {"gemm", "attention", "triton", "copy", "other"}
             assert r["steady_split"]["model_calls"] == CASES["tiny-cpu"]["steps"]
     logs = {s: (tmp_path / "out" / f"cpu-tiny-cpu-first-prompts-fluxaccel-eager-{s}.comfyui.log").read_bytes()
             .decode(errors="replace") for s in runs}  # bytes: tqdm's carriage returns stay inside their lines

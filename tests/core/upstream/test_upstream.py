@@ -355,6 +355,17 @@ def test_share_module_tree_without_modules_tables(tiny_flux):
         block.__dict__["_buffers"] = buffers
 
 
+def test_module_tensors_reads_the_tables_and_walks_publicly_without_them(monkeypatch, tiny_flux):
+    """What a captured call checks before each replay: every weight and buffer of the tree, from nn.Module's tables;
+    the public walk where a torch keeps them under other names."""
+    dm = tiny_flux.model.diffusion_model
+    public = [t for t in (*dm.parameters(), *dm.buffers()) if t is not None]
+    fast = torch_internals.module_tensors(dm)
+    assert len(fast) == len(public) > 20 and {id(t) for t in fast} == {id(t) for t in public}
+    monkeypatch.setattr(torch_internals, "_TABLES", ("_parameters_v2", "_buffers", "_modules"))
+    assert [id(t) for t in torch_internals.module_tensors(dm)] == [id(t) for t in public]
+
+
 def test_pin_host_missing_says_so(monkeypatch):
     buf = torch.empty(16, dtype=torch.uint8)
     hide(monkeypatch, "torch.cuda.cudart")

@@ -15,9 +15,12 @@ the server, and appends one JSON line per prompt to the file named by FLUXACCEL_
 The wrappers cost a few microseconds per call; nothing else changes in the server.
 
 With FLUXACCEL_PROMPT_PROFILE=1 each prompt also runs under cProfile (the worker thread's Python functions) and
-torch.profiler (torch ops and CUDA runtime calls on the host), and its line carries both tables ("python": the
-functions by cumulative time, "torch": ops and runtime calls by self host time, milliseconds per prompt). Both
-slow the host: such a run says where the host's time goes, not how long a prompt takes.
+torch.profiler (torch ops and CUDA runtime calls on the host, and the GPU's kernels, those replayed by a CUDA graph
+included), and its line carries the tables ("python": the functions by cumulative time, "torch": ops and runtime calls
+by self host time, "kernels": the GPU's kernels by total time, "kernel_classes": that time summed by kind, all
+milliseconds per prompt). With FLUXACCEL_PROMPT_PROFILE set to a file's path, only the prompts that start while that
+file exists are profiled. The profilers slow the host: such a prompt says where the host's time goes and what the GPU
+ran, not how long a prompt takes.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import io
 import json
 import logging
 import os
+import re
 import time
 
 NODE_CLASS_MAPPINGS: dict = {}
@@ -125,6 +129,35 @@ def _profiled(tables: dict, rows: int = 80):
     ops = sorted(tp.key_averages(), key=lambda e: -e.self_cpu_time_total)[:rows]
     tables["torch"] = [[e.key, e.count, round(e.self_cpu_time_total / 1000, 3), round(e.cpu_time_total / 1000, 3)]
                        for e in ops]
+    tables.update(_kernel_tables(tp.events(), rows))
+
+
+# a kernel's kind, by its name (first match): cuBLAS/CUTLASS GEMMs, attention (cuDNN, FlashAttention), inductor's
+# Triton kernels, copies and fills
+KERNEL_CLASSES = (("gemm", re.compile(r"gemm|xmma|cutlass|nvjet|scaled_mm|_mm_", re.I)),
+                  ("attention", re.compile(r"cudnn|flash|fmha|attention|attn", re.I)),
+                  ("triton", re.compile(r"^triton_")),
+                  ("copy", re.compile(r"memcpy|memset|copy|fill", re.I)))
+
+
+def _kernel_tables(events, rows: int) -> dict:
+    """The GPU's kernels of a profiled prompt: name, count, total ms, the largest first; and the total by kind."""
+    from torch.autograd import DeviceType
+
+    totals: dict[str, list] = {}
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            t = totals.setdefault(e.name, [0, 0.0])
+            t[0] += 1
+            t[1] += e.time_range.elapsed_us() / 1000
+    classes = {k: 0.0 for k, _ in KERNEL_CLASSES} | {"other": 0.0}
+    for name, (_, ms) in totals.items():
+        classes[next((k for k, rx in KERNEL_CLASSES if rx.search(name)), "other")] += ms
+    top = sorted(totals.items(), key=lambda kv: -kv[1][1])[:rows]
+    return {"kernels": [[name, n, round(ms, 3)] for name, (n, ms) in top],
+            "kernel_classes": {k: round(v, 3) for k, v in classes.items()},
+            "kernels_total_ms": round(sum(ms for _, ms in totals.values()), 3),
+            "kernel_launches": sum(n for n, _ in totals.values())}
 
 
 def _install(path: str) -> None:
@@ -134,14 +167,15 @@ def _install(path: str) -> None:
     import execution
 
     run_prompt = execution.PromptExecutor.execute_async
-    profile = os.environ.get("FLUXACCEL_PROMPT_PROFILE") == "1"
+    profile_when = os.environ.get("FLUXACCEL_PROMPT_PROFILE", "")
+    profiled = (lambda: True) if profile_when == "1" else (lambda: bool(profile_when) and os.path.exists(profile_when))
 
     @functools.wraps(run_prompt)
     async def execute_async(self, prompt, prompt_id, *args, **kwargs):
         _NOW[:] = [_Prompt(prompt_id)]
         tables: dict = {}
         try:
-            with _profiled(tables) if profile else contextlib.nullcontext():
+            with _profiled(tables) if profiled() else contextlib.nullcontext():
                 try:
                     return await run_prompt(self, prompt, prompt_id, *args, **kwargs)
                 finally:
