@@ -90,6 +90,10 @@ def core_prompt(unet_name: str) -> dict:
     p["11"] = _node("FluxAccelCompile", "Compile (defaults, attention fp8)", model=["6", 0], cuda_graphs=True,
                     mode="default", resolution_policy="strict", max_shapes=4, persistent_cache=True,
                     clear_cache=False, block_regions=True, attention="fp8")
+    # the per-step levers together: FP8 modulation weights, coordinate-descent tuning and FP8 attention
+    p["14"] = _node("FluxAccelCompile", "Compile (blocks+modulation, tuned-kernels, attention fp8)", model=["8", 0],
+                    cuda_graphs=True, mode="tuned-kernels", resolution_policy="strict", max_shapes=4,
+                    persistent_cache=True, clear_cache=False, block_regions=True, attention="fp8")
     # static activation scales (Warmup calibrates them over the case's steps with the rows' conditioning), on the
     # default and on attention fp8; build_prompt sets each Warmup's size and steps to the case's
     for nid, src, title in (("12", "7", "defaults"), ("13", "11", "attention fp8")):
@@ -101,7 +105,8 @@ def core_prompt(unet_name: str) -> dict:
             ("7", "FluxAccel default", ""), ("9", "FluxAccel best (blocks+modulation)", ""),
             ("10", "FluxAccel fastest (blocks+modulation, no block regions)", ""),
             ("11", "FluxAccel attention fp8", ""), ("12", "FluxAccel static activation scales", ""),
-            ("13", "FluxAccel static activation scales + attention fp8", "")]
+            ("13", "FluxAccel static activation scales + attention fp8", ""),
+            ("14", "FluxAccel blocks+modulation + tuned-kernels + attention fp8", "")]
     for i, (model, title, label) in enumerate(rows):
         p[str(20 + i)] = _node("FluxAccelBenchmark", f"Benchmark {title}", model=[model, 0], baseline=["1", 0],
                                positive=["2", 0], text_length=512, width=1024, height=1024, steps=28, runs=3,

@@ -282,6 +282,18 @@ def work(job: dict) -> dict:
         return _compile(job, dm, device, t0)
 
 
+def why_not_here(cfg: CompileConfig, device: torch.device) -> str:
+    """What this process lacks for the job's configuration ("" if nothing). The server checked its own; FP8
+    attention's check here also registers FlashAttention-3's op with torch, which the traced call looks up."""
+    if cfg.attention == "fp8":
+        from .fp8_attention import why_not
+
+        why = why_not(device)
+        if why:
+            return f"attention 'fp8' cannot run in the compile process: {why}"
+    return ""
+
+
 def _compile(job: dict, dm: torch.nn.Module, device: torch.device, t0: float) -> dict:
     h = job["header"]
     args, kwargs = skeleton.loads(job["call"], device)
@@ -290,6 +302,9 @@ def _compile(job: dict, dm: torch.nn.Module, device: torch.device, t0: float) ->
         differs = sorted(k for k in here if here[k] != h["call"].get(k))
         return {"saved": False, "error": f"the call rebuilt in the separate process differs in {', '.join(differs)}"}
     cfg = CompileConfig(**h["config"])
+    why = why_not_here(cfg, device)
+    if why:
+        return {"saved": False, "error": why}
     store = WarmStart(h["key"], Path(h["cache_dir"]))
     # graph_capture "call": each block kind compiled on its own into its package, in a run of the model's call
     packages = Packages(store, cfg.inductor_options(device)) if cfg.captured else None

@@ -167,3 +167,20 @@ def test_room_on_a_gpu_counts_the_weights_once_more(monkeypatch):
         "the separate compile(s) still running")
     running.state = "ready"
     assert separate.room(torch.device("cuda:0"), 10 * gib) == ""
+
+
+def test_the_compile_process_checks_fp8_attention_itself(monkeypatch):
+    """FP8 attention's check runs in the compile process too: it registers FlashAttention-3's op there (the server's
+    registration does not reach another process), and a process that cannot run it says why instead of tracing."""
+    from fluxaccel.core.compile import fp8_attention
+    from fluxaccel.core.upstream import fa3_internals
+
+    assert separate.why_not_here(CompileConfig(), torch.device("cpu")) == ""
+    why = separate.why_not_here(CompileConfig(attention="fp8"), torch.device("cpu"))
+    assert why.startswith("attention 'fp8' cannot run in the compile process: it runs on NVIDIA Hopper GPUs only")
+    registered = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fa3_internals, "available", lambda: registered.append(1) or True)
+    assert separate.why_not_here(CompileConfig(attention="fp8"), torch.device("cuda")) == "" and registered == [1]
+    assert fp8_attention.why_not(torch.device("cuda")) is None
+
