@@ -16,6 +16,7 @@ import copy
 import datetime as dt
 import json
 import logging
+import os
 import shlex
 import shutil
 import sys
@@ -185,16 +186,30 @@ def merge_results(bench_files: list[dict]) -> list[dict]:
     return rows
 
 
+def inductor_cache_dir() -> Path:
+    """Where torch's inductor keeps its compiled kernels on this machine (TORCHINDUCTOR_CACHE_DIR, else its default
+    folder in the temporary directory)."""
+    import getpass
+
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return Path(folder) if folder else Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+
+
 def server_start() -> tuple[str, str]:
-    """How this run's ComfyUI starts, as far as FluxAccel's compile cache tells: "fresh" (no cache folder, or an
-    empty one: a new machine or a cleared cache) or "restart" (it finds earlier compiles); and what was seen."""
+    """How this run's ComfyUI starts: "fresh" (FluxAccel's compile cache and inductor's both empty or absent: a new
+    machine), "new-cache" (FluxAccel's cache empty, but torch compiled on this machine before: inductor's cache holds
+    kernels) or "restart" (FluxAccel's cache holds earlier compiles); and what was seen."""
     from fluxaccel.core.compile.kernel_cache import default_dir
 
-    folder = default_dir()
+    folder, inductor = default_dir(), inductor_cache_dir()
     entries = list(folder.iterdir()) if folder.is_dir() else []
-    if not entries:
-        return "fresh", f"compile cache {folder} empty or absent"
-    return "restart", f"compile cache {folder} holds {len(entries)} entries from earlier runs"
+    if entries:
+        return "restart", f"compile cache {folder} holds {len(entries)} entries from earlier runs"
+    kernels = list(inductor.iterdir()) if inductor.is_dir() else []
+    if kernels:
+        return "new-cache", (f"compile cache {folder} empty or absent; inductor's cache {inductor} holds "
+                             f"{len(kernels)} entries (torch compiled on this machine before)")
+    return "fresh", f"compile cache {folder} and inductor's cache {inductor} empty or absent"
 
 
 def host_memory(server, weights_file: Path) -> dict:

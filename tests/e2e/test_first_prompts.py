@@ -14,7 +14,9 @@ pytestmark = pytest.mark.e2e
 
 
 def test_first_prompts_of_a_fresh_and_a_restarted_comfyui(tmp_path, e2e_model_file):
-    env = {**__import__("os").environ, "FLUXACCEL_CACHE_DIR": str(tmp_path / "cache")}
+    # a new machine: FluxAccel's cache and inductor's both empty (the JSON's start says "fresh" only then)
+    env = {**__import__("os").environ, "FLUXACCEL_CACHE_DIR": str(tmp_path / "cache"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     p = subprocess.run([sys.executable, str(ROOT / "tools" / "first_prompts.py"), "--case", "tiny-cpu", "--configs",
                         "fluxaccel", "eager", "--restart", "--steady", "2", "--split", "--profile-extra", "--out", str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env)

@@ -132,11 +132,13 @@ def _profiled(tables: dict, rows: int = 80):
     tables.update(_kernel_tables(tp.events(), rows))
 
 
-# a kernel's kind, by its name (first match): cuBLAS/CUTLASS GEMMs, attention (cuDNN, FlashAttention), inductor's
-# Triton kernels, copies and fills
-KERNEL_CLASSES = (("gemm", re.compile(r"gemm|xmma|cutlass|nvjet|scaled_mm|_mm_", re.I)),
-                  ("attention", re.compile(r"cudnn|flash|fmha|attention|attn", re.I)),
-                  ("triton", re.compile(r"^triton_")),
+# a kernel's kind, by its name (the first match, in this order): Triton kernels (inductor's, named after the ops they
+# fuse, attention's included; FluxAccel's own activation-quantization kernels), attention kernels (cuDNN's SDPA,
+# FlashAttention's, itself a CUTLASS kernel), GEMMs (cuBLAS's nvjet/xmma kernels and their split-K reductions,
+# CUTLASS), copies and fills
+KERNEL_CLASSES = (("triton", re.compile(r"^triton_|_rowwise_fp8_kernel$")),
+                  ("attention", re.compile(r"sdpa|fmha|flash|FlashAttn", re.I)),
+                  ("gemm", re.compile(r"gemm|xmma|nvjet|cutlass|splitKreduce", re.I)),
                   ("copy", re.compile(r"memcpy|memset|copy|fill", re.I)))
 
 
