@@ -92,6 +92,20 @@ def vram_allocated(server: ComfyServer) -> int | None:
     return int(dev["torch_vram_total"] - dev["torch_vram_free"])
 
 
+def log_size(srv) -> int:
+    return srv.log_path.stat().st_size if srv.log_path.exists() else 0
+
+
+def graph_lines(srv, since: int) -> dict:
+    """What the server's log said about CUDA graphs since byte `since`: FluxAccel's captured calls (a capture after a
+    reload is a recapture when the weights moved; graph_capture 'call'), as counts of its log lines."""
+    with open(srv.log_path, "rb") as f:
+        f.seek(since)
+        text = f.read().decode(errors="replace")
+    return {"log_graphs_captured": text.count("FluxAccel: captured the CUDA graph of"),
+            "log_weights_moved_recaptures": text.count("weights moved since the CUDA graph")}
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -154,20 +168,24 @@ def main(argv=None) -> int:
             # reloaded at new addresses (inductor's CUDA graphs must re-record); compared
             # below with the same seed on a freshly compiled model
             srv.free(unload_models=True, free_memory=False)
+            at = log_size(srv)
             hist = srv.run(prompt(5, steps, size, text_length, "after-unload"))
+            unload_graphs = graph_lines(srv, at)
             unload_sampled, after_unload = sampled(hist), srv.saved_latent(hist, "7")
 
             # unload the model, then the same prompt on the reloaded model. ComfyUI keeps its node cache across
             # /free, so an equivalent empty-latent node (the same zeros for FLUX) makes the KSampler run again.
             srv.free(unload_models=True, free_memory=True)
+            at = log_size(srv)
             hist = srv.run(prompt(1, steps, size, text_length, "after-free", latent_node="EmptyLatentImage"))
             again, equal = sampled(hist), bool(torch.equal(srv.saved_latent(hist, "7"), ref))
-            cases["free_reload"] = {"sampled_again": again, "equal_to_reference": equal, "passed": again and equal}
+            cases["free_reload"] = {"sampled_again": again, "equal_to_reference": equal, "passed": again and equal,
+                                    **graph_lines(srv, at)}
             fresh = srv.saved_latent(srv.run(prompt(5, steps, size, text_length, "fresh-5",
                                                     latent_node="EmptyLatentImage")), "7")
             equal = bool(torch.equal(after_unload, fresh))
             cases["unload_keep_cache"] = {"sampled": unload_sampled, "equal_to_fresh_compile": equal,
-                                          "passed": unload_sampled and equal}
+                                          "passed": unload_sampled and equal, **unload_graphs}
 
             # the loaded model without our nodes, after ours ran on it (on 0.33: dynamic VRAM, ours on its delegate)
             hist = srv.run(plain_prompt(1, steps, size, text_length, "plain-again", latent_node="EmptyLatentImage"))
@@ -220,6 +238,7 @@ def main(argv=None) -> int:
                                 "passed": bool(g_rss < 0.02 and (g_vram is None or g_vram < 0.02))}
         finally:
             srv.stop()
+            log_copy = srv.log_path.read_bytes() if srv.log_path.exists() else b""
     from fluxaccel.core.env import describe
 
     result = {"gpu": gpu or "cpu", "env": describe(), "settings": {"size": size, "text_length": text_length,
@@ -233,6 +252,7 @@ def main(argv=None) -> int:
     from fluxaccel.core.bench.results import dumps
 
     path.write_text(dumps(result))
+    path.with_suffix(".comfyui.log").write_bytes(log_copy)  # what each node said, next to the JSON
     for name, c in cases.items():
         print(f"{name:12s} {'pass' if c['passed'] else 'FAIL'}")
     print(f"{result['passed']}/{result['total']} passed; wrote {path}")

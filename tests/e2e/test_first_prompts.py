@@ -73,3 +73,39 @@ def test_first_prompts_of_a_fresh_and_a_restarted_comfyui(tmp_path, e2e_model_fi
     # every line stamped with the seconds since its server started, in order (where a first prompt's time goes)
     stamps = [float(line.split()[0]) for line in logs["restart"].strip().split("\n") if line.strip()]
     assert stamps == sorted(stamps) and stamps[-1] > stamps[0]
+
+
+def test_kernel_kinds_of_an_h200_profile():
+    """The profiled prompt's kernels by kind, on kernel names an H200 run recorded: inductor's kernels named after
+    the attention op they feed are Triton's, FlashAttention-3's CUTLASS kernel is attention, cuBLAS's are GEMMs."""
+    sys.path.insert(0, str(ROOT / "tools" / "prompt_split_node"))
+    from fluxaccel_prompt_split import _kernel_tables
+
+    class Ev:  # what torch.profiler's events carry that the tables read
+        def __init__(self, name, us):
+            from torch.autograd import DeviceType
+
+            self.name, self.device_type = name, DeviceType.CUDA
+            self.time_range = type("R", (), {"elapsed_us": lambda _: us})()
+
+    names = {
+        "nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_ovscale_bias_TNT": ("gemm", 1000),
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>": ("gemm", 10),
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0_0":
+            ("attention", 500),
+        "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<flash::Collective>>>":
+            ("attention", 300),
+        "triton_per_fused__fused_rms_norm__scaled_dot_product_cudnn_attention__to_copy_addcmul_mul_permute_2":
+            ("triton", 90),
+        "gelu_pair_rowwise_fp8_kernel": ("triton", 80),
+        "Memset (Device)": ("copy", 5),
+        "void at::native::vectorized_elementwise_kernel<2, at::native::cos_kernel_cuda>": ("other", 1),
+    }
+    events = [Ev(n, us) for n, (_, us) in names.items() for _ in range(2)]
+    tables = _kernel_tables(events, rows=80)
+    want = {k: 0.0 for k in ("gemm", "attention", "triton", "copy", "other")}
+    for kind, us in names.values():
+        want[kind] += 2 * us / 1000
+    assert tables["kernel_classes"] == pytest.approx(want)
+    assert tables["kernel_launches"] == 16 and tables["kernels_total_ms"] == pytest.approx(2 * 1.986)
+    assert tables["kernels"][0] == ["nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_ovscale_bias_TNT", 2, 2.0]
