@@ -270,7 +270,7 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
                     if a.split:
                         splits.append(server.prompt_split_of(hist))
                 profiled = None
-                if a.profile_extra and a.split:
+                if a.profile_extra:  # (--split is required with it)
                     log.info("%s: one more prompt, profiled", config)
                     profile_flag.touch()
                     try:
