@@ -48,8 +48,9 @@ class Compile(io.ComfyNode):
                 io.Combo.Input("attention", options=list(ATTENTIONS), default="cudnn", optional=True,
                                tooltip="cudnn: bf16 attention through PyTorch SDPA, cuDNN first. fp8: FlashAttention-3's "
                                        "FP8 kernel (Hopper GPUs; pip install fa3-fwd), Q/K/V cast to FP8 inside the "
-                                       "compiled graph: H200, FLUX.1-dev blocks: 6.7 % faster per step, slightly "
-                                       "larger error (Benchmark shows it). Refused where it cannot run."),
+                                       "compiled graph: H200, FLUX.1-dev 1024² 28 steps: 2.33 vs 2.55 s per prompt, "
+                                       "denoiser error 0.062 vs 0.054 (Benchmark shows it). Refused where it cannot "
+                                       "run."),
                 io.Boolean.Input("separate_process", default=True, optional=True,
                                  tooltip="A shape not compiled before compiles in a separate process while this model "
                                          "runs uncompiled (the badge counts those calls); the compiled model takes "
