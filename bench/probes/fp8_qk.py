@@ -1,0 +1,155 @@
+"""Probe (GPU): FP8 attention's Q/K norm, RoPE and casts at FLUX.1-dev's single-block shape (1024², 512 text
+tokens: 4608 tokens, 24 heads of 128), the fused kernel (core/compile/fp8_qk.py) against what inductor makes of the
+same torch code, each captured in a CUDA graph and replayed (device time, no launch overhead); with FlashAttention-3's
+FP8 forward after it (the layouts it is handed differ); the kernel's warps swept; the values compared.
+
+Run on the device:  python3 bench/probes/fp8_qk.py [--out DIR]   (the fa3-fwd wheel importable for the attention rows)
+Prints one JSON line per measurement ("PROBE {...}"), writes DIR/fp8_qk.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
+register()
+from fluxaccel.core.compile import fp8_attention as fa, fp8_qk  # noqa: E402
+
+RESULTS: list[dict] = []
+OUT: Path | None = None
+N_TXT, N_IMG, HEADS, D, MLP = 512, 4096, 24, 128, 12288
+
+
+def emit(kind: str, **kw):
+    rec = {"kind": kind, **kw}
+    RESULTS.append(rec)
+    print("PROBE", json.dumps(rec), flush=True)
+    if OUT is not None:
+        (OUT / "fp8_qk.json").write_text(json.dumps(RESULTS, indent=1))
+
+
+def inputs():
+    """linear1's output of a single block (QKV and MLP stream side by side; QKV is a strided slice of it), QK-norm
+    weights, FLUX.1's rotations for 512 text + 64 x 64 image tokens, the QK-norm bound's scales."""
+    from comfy.ldm.flux.layers import EmbedND
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, hidden = N_TXT + N_IMG, HEADS * D
+    lin1 = (torch.randn(1, n, 3 * hidden + MLP, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    wq, wk = ((torch.rand(D, device="cuda", generator=g) * 0.8 + 0.6).to(torch.bfloat16) for _ in range(2))
+    ids = torch.zeros(1, n, 3, device="cuda")
+    ids[0, N_TXT:, 1] = torch.arange(N_IMG, device="cuda") // 64
+    ids[0, N_TXT:, 2] = torch.arange(N_IMG, device="cuda") % 64
+    pe = EmbedND(dim=D, theta=10000, axes_dim=[16, 56, 56])(ids)
+    bound = torch.stack([wq.abs().amax(), wk.abs().amax()]).float() * (D ** 0.5 * fa.MARGIN / fa.FP8_MAX)
+    return lin1[..., :3 * hidden], wq, wk, pe, bound
+
+
+def unfused(qkv, wq, wk, pe, scales):
+    """What FluxAccel's compiled single block computes without the kernel: ComfyUI's QK-norm and RoPE, then
+    fp8_attention's casts (inductor fuses them as it can)."""
+    b, n, _ = qkv.shape
+    q, k, v = qkv.view(b, n, 3, HEADS, D).permute(2, 0, 3, 1, 4)
+    eps = torch.finfo(torch.float32).eps
+    q = fp8_qk.rope(F.rms_norm(q, (D,), wq, eps), pe)
+    k = fp8_qk.rope(F.rms_norm(k, (D,), wk, eps), pe)
+    vs = fa._absmax_scale(v)
+    return fa._fp8(q, scales[0]), fa._fp8(k, scales[1]), fa._fp8(v, vs), vs
+
+
+def fused(qkv, wq, wk, pe, scales):
+    b, n, _ = qkv.shape
+    q8, k8, vmax = fp8_qk.qk_norm_rope_fp8(qkv, wq, wk, pe, scales, HEADS, torch.finfo(torch.float32).eps)
+    vs = (vmax[0] / fa.FP8_MAX).clamp(min=1e-12)
+    v8 = (qkv[..., 2 * HEADS * D:].reshape(b, n, HEADS, D).float() / vs).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q8, k8, v8, vs
+
+
+def with_attention(make):
+    def run(qkv, wq, wk, pe, scales):
+        q8, k8, v8, vs = make(qkv, wq, wk, pe, scales)
+        desc = [s.reshape(1, 1).expand(1, HEADS) for s in (scales[0], scales[1], vs)]
+        return torch.ops.fa3_fwd._flash_attn_forward(q8, k8, v8, q_descale=desc[0], k_descale=desc[1],
+                                                     v_descale=desc[2], softmax_scale=D ** -0.5)[0]
+    return run
+
+
+def graph_ms(fn, args, replays=200) -> float:
+    """Device time per call of fn(*args) captured in a CUDA graph (median of 5 runs of `replays` replays)."""
+    for _ in range(3):
+        fn(*args)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn(*args)
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays):
+            g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / replays)
+    return sorted(times)[2]
+
+
+def compared(name, got, want):
+    """FP8 tensors of the same layout: the share of values that differ and the largest difference in e4m3 steps."""
+    g, w = got.float(), want.float()
+    diff = g != w
+    step = (w.abs().clamp(min=2 ** -6) * 2 ** -3)  # one e4m3 step at the value's size (normal range)
+    emit("values", name=name, differ=float(diff.float().mean()), max_steps=float(((g - w).abs() / step).max()))
+
+
+def main():
+    global OUT
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    OUT = Path(ap.parse_args().out)
+    OUT.mkdir(parents=True, exist_ok=True)
+    args = inputs()
+    qkv = args[0]
+    moved = qkv.numel() // 3 * 2 * 2 + qkv.numel() // 3 * 2 * 1  # Q, K read (bf16) and written (e4m3)
+    opts = {"emulate_precision_casts": True}
+    with torch.inference_mode():
+        ref = fp8_qk.reference(*args, HEADS, torch.finfo(torch.float32).eps)
+        variants = {"inductor": torch.compile(unfused, dynamic=False, options=opts),
+                    "fused": torch.compile(fused, dynamic=False, options=opts)}
+        outs = {name: fn(*args) for name, fn in variants.items()}
+        for name, out in outs.items():
+            compared(f"{name} q vs eager torch", out[0].contiguous(), ref[0])
+            compared(f"{name} k vs eager torch", out[1].contiguous(), ref[1])
+        compared("fused v vs inductor v", outs["fused"][2], outs["inductor"][2].contiguous())
+        for name, fn in variants.items():
+            ms = graph_ms(fn, args)
+            emit("time", name=f"{name}: q, k, v to FP8", ms=round(ms, 4), per_step_ms=round(38 * ms, 3),
+                 qk_tb_s=round(moved / ms / 1e9, 2))
+        for warps in (2, 4, 8, 16):
+            fp8_qk.NUM_WARPS = warps
+            ms = graph_ms(lambda *a: fp8_qk.qk_norm_rope_fp8(*a, HEADS, torch.finfo(torch.float32).eps), args)
+            emit("time", name=f"the operator alone, {warps} warps", ms=round(ms, 4),
+                 qk_tb_s=round(moved / ms / 1e9, 2))
+        fp8_qk.NUM_WARPS = 4
+        try:
+            import fa3_fwd_interface  # noqa: F401  (registers torch.ops.fa3_fwd)
+        except Exception as e:  # noqa: BLE001
+            emit("time", name="with attention", error=f"{type(e).__name__}: {e}"[:300])
+        else:
+            for name, make in (("inductor", unfused), ("fused", fused)):
+                torch._dynamo.reset()
+                fn = torch.compile(with_attention(make), dynamic=False, options=opts)
+                ms = graph_ms(fn, args)
+                emit("time", name=f"{name} + FlashAttention-3 FP8", ms=round(ms, 4), per_step_ms=round(38 * ms, 3))
+    print("TABLE", json.dumps([r for r in RESULTS if r["kind"] == "time"]))
+
+
+if __name__ == "__main__":
+    main()
