@@ -109,6 +109,42 @@ def compared(name, got, want):
     emit("values", name=name, differ=float(diff.float().mean()), max_steps=float(((g - w).abs() / step).max()))
 
 
+def variants_of_the_kernel(args):
+    """Which part of the kernel costs: V's absmax (none, atomic relaxed, atomic acq_rel, per-program maxima) and the
+    pairs (tl.split/tl.join of a [heads, D/2, 2] tile, or even and odd elements loaded and stored apart)."""
+    import triton
+
+    from bench.probes import fp8_qk_variants as kv
+
+    qkv, wq, wk, pe, scales = args
+    b, n, _ = qkv.shape
+    moved = qkv.numel() // 3 * 6
+    q = torch.empty((b, n, HEADS, D), device="cuda", dtype=torch.float8_e4m3fn)
+    k, vmax = torch.empty_like(q), torch.zeros(n + 1, device="cuda")
+    cases = [("partner", kv.partner_kernel, 1, 32, w) for w in (4, 8)]
+    cases += [(f"grouped {hb} heads", kv.grouped_kernel, 1, hb, w) for hb in (2, 4, 8) for w in (1, 2, 4)]
+    for kname, kernel, v_mode, hb, warps in cases:
+            if True:
+                handle = []
+                grid = (n, b) if kname == "partner" else (n, triton.cdiv(HEADS, hb), 3 * b)
+
+                def launch():
+                    handle.append(kernel[grid](
+                        qkv, wq, wk, pe, scales, q, k, vmax, qkv.stride(0), qkv.stride(1), 0, pe.stride(2),
+                        q.stride(0), q.stride(1), 0, HEADS, 1e-6, HEAD_DIM=D, BLOCK_H=hb,
+                        BLOCK_V=4096, V_MODE=v_mode, num_warps=warps))
+                try:
+                    ms = graph_ms(launch, ())
+                    h = handle[0]
+                    emit("time", name=f"variant {kname}, v_mode {v_mode}, {warps} warps", ms=round(ms, 4),
+                         qk_tb_s=round(moved / ms / 1e9, 2), regs=getattr(h, "n_regs", None),
+                         spills=getattr(h, "n_spills", None),
+                         shared=getattr(getattr(h, "metadata", None), "shared", None))
+                except Exception as e:  # noqa: BLE001
+                    emit("time", name=f"variant {kname}, v_mode {v_mode}, {warps} warps",
+                         error=f"{type(e).__name__}: {e}"[:300])
+
+
 def main():
     global OUT
     ap = argparse.ArgumentParser()
@@ -132,12 +168,13 @@ def main():
             ms = graph_ms(fn, args)
             emit("time", name=f"{name}: q, k, v to FP8", ms=round(ms, 4), per_step_ms=round(38 * ms, 3),
                  qk_tb_s=round(moved / ms / 1e9, 2))
-        for warps in (2, 4, 8, 16):
+        for warps in (4,):
             fp8_qk.NUM_WARPS = warps
             ms = graph_ms(lambda *a: fp8_qk.qk_norm_rope_fp8(*a, HEADS, torch.finfo(torch.float32).eps), args)
             emit("time", name=f"the operator alone, {warps} warps", ms=round(ms, 4),
                  qk_tb_s=round(moved / ms / 1e9, 2))
         fp8_qk.NUM_WARPS = 4
+        variants_of_the_kernel(args)
         try:
             import fa3_fwd_interface  # noqa: F401  (registers torch.ops.fa3_fwd)
         except Exception as e:  # noqa: BLE001

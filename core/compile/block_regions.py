@@ -31,7 +31,6 @@ where the config asks for it and the block is one that forward was written for; 
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 
@@ -39,9 +38,6 @@ from . import single_block
 from .attention import OVERRIDE_KEY
 from .fp8_attention import SCALES_KEY, qk_scales
 from .options import OWN_ATTENTION  # the override a region puts back, by the name it takes (a constant input)
-
-log = logging.getLogger("fluxaccel.compile")
-_SAID: set[str] = set()  # why fp8_qk's kernel does not run, each said once
 
 DOUBLE = "double_block"
 SINGLE = "single_block"
@@ -62,11 +58,11 @@ def _double_body(block, img, txt, vec_layout, vec_tensors, pe, attn_mask, transf
 
 
 def _single_body(block, img, vec_layout, vec_tensors, pe, attn_mask, transformer_options, own_attention,
-                 own_forward, fused_qk=False):
+                 own_forward):
     kwargs = dict(vec=_rebuilt(vec_layout, vec_tensors), pe=pe, attn_mask=attn_mask,
                   transformer_options=_with_attention(block, transformer_options, own_attention))
     if own_forward:  # FluxAccel's forward: no concatenation written before linear2 (single_block.py)
-        return single_block.forward(block, img.clone(), fused_qk=fused_qk, **kwargs)
+        return single_block.forward(block, img.clone(), **kwargs)
     return block(img.clone(), **kwargs)
 
 
@@ -147,11 +143,10 @@ def _double_replacement(block, double=_double):
     return replace
 
 
-def _single_replacement(block, own_forward: bool, single=_single, fused_qk: bool = False):
+def _single_replacement(block, own_forward: bool, single=_single):
     def replace(args, extra):
-        own = own_forward and single_block.ready(block)
         img = single(block, args["img"], *_flat(args["vec"]), args["pe"], args.get("attn_mask"),
-                     *_shared_options(args.get("transformer_options")), own, own and fused_qk)
+                     *_shared_options(args.get("transformer_options")), own_forward and single_block.ready(block))
         return {"img": img}
 
     return replace
@@ -165,7 +160,7 @@ def for_config(dm: torch.nn.Module, cfg, device: torch.device, packages=None) ->
     if not cfg.block_regions:
         return None
     if cfg.nested_regions:
-        return BlockRegions(dm, cfg.single_blocks, fp8_attention=cfg.attention == "fp8")
+        return BlockRegions(dm, cfg.single_blocks)
     options = cfg.inductor_options(device)
 
     def compiled(fn):
@@ -173,7 +168,7 @@ def for_config(dm: torch.nn.Module, cfg, device: torch.device, packages=None) ->
         return fn_compiled if packages is None else _Packaged(fn, fn_compiled, packages, lambda: regions.shape,
                                                               lambda: regions.loading)
 
-    regions = BlockRegions(dm, cfg.single_blocks, compile_blocks=compiled, fp8_attention=cfg.attention == "fp8")
+    regions = BlockRegions(dm, cfg.single_blocks, compile_blocks=compiled)
     return regions
 
 
@@ -206,13 +201,10 @@ class _Packaged:
 
 class BlockRegions:
     """The patches_replace table for one FLUX diffusion model, rebuilt only if its blocks are swapped. single_blocks:
-    "fluxaccel" runs FluxAccel's single-block forward where it applies (single_block.py), "comfyui" the block's own;
-    fp8_attention: that forward makes Q and K in one kernel where it can (fp8_qk.py)."""
+    "fluxaccel" runs FluxAccel's single-block forward where it applies (single_block.py), "comfyui" the block's own."""
 
-    def __init__(self, dm: torch.nn.Module, single_blocks: str = "comfyui", compile_blocks=None,
-                 fp8_attention: bool = False):
+    def __init__(self, dm: torch.nn.Module, single_blocks: str = "comfyui", compile_blocks=None):
         self._dm = dm
-        self._fp8_attention = fp8_attention
         self.shape = None  # the shape key of the call running (set by the runner; per-block packages name it)
         self.loading = None  # the running call's package-load marker (set by the runner; per-block packages use it)
         self._own_single = single_blocks == "fluxaccel"
@@ -231,22 +223,9 @@ class BlockRegions:
             self._table = {(DOUBLE, i): _double_replacement(b, self._double) for i, b in enumerate(blocks[:n])}
             own = {cls: not single_block.known(cls) for cls in {type(b) for b in blocks[n:]}} if self._own_single \
                 else {}  # per block class: whether FluxAccel's single-block forward was written for it
-            self._table.update({(SINGLE, i): _single_replacement(b, own.get(type(b), False), self._single,
-                                                                 own.get(type(b), False) and self._fused_qk(b))
+            self._table.update({(SINGLE, i): _single_replacement(b, own.get(type(b), False), self._single)
                                 for i, b in enumerate(blocks[n:])})
         return self._table
-
-    def _fused_qk(self, block) -> bool:
-        """Whether FluxAccel's forward of this single block makes Q and K in one kernel (FP8 attention on and the
-        block's attention and QK-norm the ones fp8_qk read); the log says once why not."""
-        if not self._fp8_attention:
-            return False
-        why = single_block.fused_qk_why_not(block)
-        if why and why not in _SAID:
-            _SAID.add(why)
-            log.info("FluxAccel: FP8 attention's Q/K norm, RoPE and casts run as separate kernels in the single "
-                     "blocks (same numbers): %s", why)
-        return not why
 
     def transformer_options(self) -> dict:
         """A fresh options dict per call (the model writes block_index etc. into it) around the cached table."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..upstream import say, torch_internals
-from . import fp8_qk, reductions, single_block
+from . import reductions, single_block
 from .warm_start import UNUSABLE_FILE, UNWRITABLE
 
 log = logging.getLogger("fluxaccel.cache")
@@ -70,8 +70,7 @@ def cache_key(dm: torch.nn.Module, cfg, device: torch.device, variant: str = "",
     # only what changes the compiled artifacts: the inductor options (graphs, mode), not resolution_policy etc.
     options = (repr(sorted(cfg.inductor_options(device).items())) + f" block_regions={cfg.block_regions}"
                + f" {reductions.KEY} {single_block.cache_tag(dm, cfg.single_blocks)}"
-               + (f" attention={cfg.attention}" if cfg.attention != "cudnn" else "")
-               + (f" {fp8_qk.KEY}" if cfg.attention == "fp8" else ""))
+               + (f" attention={cfg.attention}" if cfg.attention != "cudnn" else ""))
     ident = {"format": 1, "torch": torch.__version__, "triton": package_version("triton"),
              "torchao": package_version("torchao"),
              "device": dev, "config": options, "model": type(dm).__name__, "layout": h.hexdigest(),

@@ -15,10 +15,6 @@ The forward below is ComfyUI's, line for line but for that call, so it runs only
   * the Compile node's `single_blocks` is "fluxaccel" and the blocks run through the block table (block_regions.py:
     compiled regions, or traced inline where the call is captured whole).
 Anything else runs the block's own forward.
-
-With FP8 attention (the Compile node's `attention` fp8) the forward also makes Q and K for FlashAttention-3 in one
-kernel from the QKV projection (fp8_qk.py) where the block's attention and QK-norm are the ones FluxAccel read
-(fused_qk_why_not); the Compile node's log says once why not where they are not.
 """
 from __future__ import annotations
 
@@ -29,7 +25,6 @@ import textwrap
 import torch
 
 from ..quant.linear import takes_pair
-from . import fp8_qk
 
 # SHA-256 of SingleStreamBlock.forward's source (dedented) -> where it was read
 KNOWN = {"0a79a7f4b0ed0598aaa39388484046d2eca88c48e67e5f6917dab984f3b551b6": "ComfyUI 0.33.0"}
@@ -60,12 +55,6 @@ def known(cls: type) -> str:
     return ""
 
 
-def fused_qk_why_not(block: torch.nn.Module) -> str:
-    """Why this block's Q and K cannot come out of fp8_qk's kernel under FP8 attention ('' if they can), for a block
-    of a class known() read. Not to be called in a trace."""
-    return fp8_qk.why_not(block, _FUNCTIONS.get("attention"))
-
-
 def cache_tag(dm: torch.nn.Module, single_blocks: str) -> str:
     """What the compiled graph's single blocks depend on (the compile cache's key): the forward asked for and, for
     FluxAccel's, the source of the forward it stands in for."""
@@ -82,27 +71,22 @@ def ready(block: torch.nn.Module) -> bool:
             and takes_pair(block.linear2, block.hidden_size))
 
 
-def forward(block, x, vec, pe, attn_mask=None, modulation_dims=None, transformer_options={},  # noqa: B006 (ComfyUI's)
-            fused_qk=False):
+def forward(block, x, vec, pe, attn_mask=None, modulation_dims=None, transformer_options={}):  # noqa: B006 (ComfyUI's)
     """ComfyUI 0.33.0's SingleStreamBlock.forward with `linear2(torch.cat((attn, mlp), 2))` as one FP8 call on the
-    two parts (mlp_act is the Identity: linear2 applies the activation); with `fused_qk` (a block fp8_qk.why_not
-    cleared) and FP8 attention on, its Q and K normed, rotated and cast in one kernel (fp8_qk.py)."""
+    two parts (mlp_act is the Identity: linear2 applies the activation)."""
     apply_mod, attention = _FUNCTIONS["apply_mod"], _FUNCTIONS["attention"]
     mod = block.modulation(vec)[0] if block.modulation else vec
     patches = transformer_options.get("patches", {})
     extra_options = transformer_options.copy()
     qkv, mlp = torch.split(block.linear1(apply_mod(block.pre_norm(x), (1 + mod.scale), mod.shift, modulation_dims)),
                            [3 * block.hidden_size, block.mlp_hidden_dim_first], dim=-1)
-    if fused_qk and fp8_qk.takes(block, qkv, pe, attn_mask, patches, transformer_options):
-        attn = fp8_qk.fused_attention(block, qkv, pe, transformer_options)  # FP8 attention, Q/K made in one kernel
-    else:
-        q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, block.num_heads, -1).permute(2, 0, 3, 1, 4)
-        q, k = block.norm(q, k, v)
-        for p in patches.get("attn1_patch", ()):
-            out = p(q, k, v, pe=pe, attn_mask=attn_mask, extra_options=extra_options)
-            q, k, v = out.get("q", q), out.get("k", k), out.get("v", v)
-            pe, attn_mask = out.get("pe", pe), out.get("attn_mask", attn_mask)
-        attn = attention(q, k, v, pe=pe, mask=attn_mask, transformer_options=transformer_options)
+    q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, block.num_heads, -1).permute(2, 0, 3, 1, 4)
+    q, k = block.norm(q, k, v)
+    for p in patches.get("attn1_patch", ()):
+        out = p(q, k, v, pe=pe, attn_mask=attn_mask, extra_options=extra_options)
+        q, k, v = out.get("q", q), out.get("k", k), out.get("v", v)
+        pe, attn_mask = out.get("pe", pe), out.get("attn_mask", attn_mask)
+    attn = attention(q, k, v, pe=pe, mask=attn_mask, transformer_options=transformer_options)
     for p in patches.get("attn1_output_patch", ()):
         attn = p(attn, extra_options)
     output = block.linear2.fp8_forward_pair(attn, mlp)

@@ -163,7 +163,7 @@ def _pair_body(a: torch.Tensor, m: torch.Tensor, lb: float | None,
     return reference(torch.cat((a, m), -1), a.shape[-1], lb, ub)
 
 
-def register_op(name: str, body):
+def _register(name: str, body):
     """The operator `name`, registered when this module is imported (a warm-start package made by another process
     calls it by name); None, with the reason, where this torch cannot register it."""
     import importlib.util
@@ -196,10 +196,10 @@ def _silu_pair_body(a: torch.Tensor, m: torch.Tensor, lb: float | None,
     return silu_gate_reference(torch.cat((a, m), -1), a.shape[-1], lb, ub)
 
 
-_OP, UNAVAILABLE = register_op(OP_NAME, _op_body)
-_PAIR_OP, PAIR_UNAVAILABLE = register_op(PAIR_OP_NAME, _pair_body)
-_SILU_OP, SILU_UNAVAILABLE = register_op(SILU_OP_NAME, _silu_body)
-_SILU_PAIR_OP, SILU_PAIR_UNAVAILABLE = register_op(SILU_PAIR_OP_NAME, _silu_pair_body)
+_OP, UNAVAILABLE = _register(OP_NAME, _op_body)
+_PAIR_OP, PAIR_UNAVAILABLE = _register(PAIR_OP_NAME, _pair_body)
+_SILU_OP, SILU_UNAVAILABLE = _register(SILU_OP_NAME, _silu_body)
+_SILU_PAIR_OP, SILU_PAIR_UNAVAILABLE = _register(SILU_PAIR_OP_NAME, _silu_pair_body)
 
 
 def gelu_rowwise_fp8(x: torch.Tensor, gelu_from: int = 0, lb: float | None = None, ub: float | None = None):

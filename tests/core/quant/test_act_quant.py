@@ -214,5 +214,5 @@ def test_without_triton_the_operator_is_unavailable_with_the_reason(monkeypatch)
     for name, body in ((act_quant.OP_NAME, act_quant._op_body), (act_quant.PAIR_OP_NAME, act_quant._pair_body),
                        (act_quant.SILU_OP_NAME, act_quant._silu_body),
                        (act_quant.SILU_PAIR_OP_NAME, act_quant._silu_pair_body)):
-        op, why = act_quant.register_op(name, body)
+        op, why = act_quant._register(name, body)
         assert op is None and why == "Triton is not installed (the fused kernel is a Triton kernel)"
