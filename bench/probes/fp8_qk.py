@@ -1,7 +1,8 @@
 """Probe (GPU): FP8 attention's Q/K norm, RoPE and casts at FLUX.1-dev's single-block shape (1024², 512 text
-tokens: 4608 tokens, 24 heads of 128), the fused kernel (core/compile/fp8_qk.py) against what inductor makes of the
-same torch code, each captured in a CUDA graph and replayed (device time, no launch overhead); with FlashAttention-3's
-FP8 forward after it (the layouts it is handed differ); the kernel's warps swept; the values compared.
+tokens: 4608 tokens, 24 heads of 128): hand-written Triton kernels (fp8_qk_variants.py) against what inductor makes
+of the torch code FluxAccel's compiled single block runs, each captured in a CUDA graph and replayed (device time, no
+launch overhead), with FlashAttention-3's FP8 forward after it; the values compared with eager torch.
+Outcome (bench/NOTES.md, 2026-12-04): the best variant ~94 µs with V's cast against inductor's 100 µs; not kept.
 
 Run on the device:  python3 bench/probes/fp8_qk.py [--out DIR]   (the fa3-fwd wheel importable for the attention rows)
 Prints one JSON line per measurement ("PROBE {...}"), writes DIR/fp8_qk.json.
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
 register()
-from fluxaccel.core.compile import fp8_attention as fa, fp8_qk  # noqa: E402
+from fluxaccel.core.compile import fp8_attention as fa  # noqa: E402
 
 RESULTS: list[dict] = []
 OUT: Path | None = None
@@ -52,24 +53,41 @@ def inputs():
     return lin1[..., :3 * hidden], wq, wk, pe, bound
 
 
+def rope(x, pe):
+    """ComfyUI's RoPE formula (comfy.ldm.flux.math._apply_rope1)."""
+    x_ = x.to(pe.dtype).reshape(*x.shape[:-1], -1, 1, 2)
+    return (pe[..., 0] * x_[..., 0] + pe[..., 1] * x_[..., 1]).reshape(*x.shape).type_as(x)
+
+
 def unfused(qkv, wq, wk, pe, scales):
-    """What FluxAccel's compiled single block computes without the kernel: ComfyUI's QK-norm and RoPE, then
-    fp8_attention's casts (inductor fuses them as it can)."""
+    """What FluxAccel's compiled single block computes: ComfyUI's QK-norm (torch's rms_norm, eps None: float32's)
+    and RoPE, then fp8_attention's casts (inductor fuses them as it can)."""
     b, n, _ = qkv.shape
     q, k, v = qkv.view(b, n, 3, HEADS, D).permute(2, 0, 3, 1, 4)
     eps = torch.finfo(torch.float32).eps
-    q = fp8_qk.rope(F.rms_norm(q, (D,), wq, eps), pe)
-    k = fp8_qk.rope(F.rms_norm(k, (D,), wk, eps), pe)
+    q = rope(F.rms_norm(q, (D,), wq, eps), pe)
+    k = rope(F.rms_norm(k, (D,), wk, eps), pe)
     vs = fa._absmax_scale(v)
     return fa._fp8(q, scales[0]), fa._fp8(k, scales[1]), fa._fp8(v, vs), vs
 
 
-def fused(qkv, wq, wk, pe, scales):
+def grouped(qkv, wq, wk, pe, scales, hb=8, warps=2):
+    """The best variant (groups of 8 heads of Q, K or V per program), then V's cast: Q, K in (batch, tokens, heads,
+    head_dim)."""
+    import triton
+
+    from bench.probes import fp8_qk_variants as kv
+
     b, n, _ = qkv.shape
-    q8, k8, vmax = fp8_qk.qk_norm_rope_fp8(qkv, wq, wk, pe, scales, HEADS, torch.finfo(torch.float32).eps)
+    q = torch.empty((b, n, HEADS, D), device=qkv.device, dtype=torch.float8_e4m3fn)
+    k, vmax = torch.empty_like(q), torch.zeros(1, device=qkv.device)
+    kv.grouped_kernel[(n, triton.cdiv(HEADS, hb), 3 * b)](
+        qkv, wq, wk, pe, scales, q, k, vmax, qkv.stride(0), qkv.stride(1), 0, pe.stride(2), q.stride(0),
+        q.stride(1), 0, HEADS, torch.finfo(torch.float32).eps, HEAD_DIM=D, BLOCK_H=hb, BLOCK_V=4096, V_MODE=1,
+        num_warps=warps)
     vs = (vmax[0] / fa.FP8_MAX).clamp(min=1e-12)
     v8 = (qkv[..., 2 * HEADS * D:].reshape(b, n, HEADS, D).float() / vs).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q8, k8, v8, vs
+    return q, k, v8, vs
 
 
 def with_attention(make):
@@ -110,8 +128,8 @@ def compared(name, got, want):
 
 
 def variants_of_the_kernel(args):
-    """Which part of the kernel costs: V's absmax (none, atomic relaxed, atomic acq_rel, per-program maxima) and the
-    pairs (tl.split/tl.join of a [heads, D/2, 2] tile, or even and odd elements loaded and stored apart)."""
+    """Which shape of program pays: one per token holding all heads ([heads, 128] tiles, partners loaded again) or
+    small ones (a group of heads of Q, K or V); warps swept; registers, spills and shared memory per program."""
     import triton
 
     from bench.probes import fp8_qk_variants as kv
@@ -156,34 +174,25 @@ def main():
     moved = qkv.numel() // 3 * 2 * 2 + qkv.numel() // 3 * 2 * 1  # Q, K read (bf16) and written (e4m3)
     opts = {"emulate_precision_casts": True}
     with torch.inference_mode():
-        ref = fp8_qk.reference(*args, HEADS, torch.finfo(torch.float32).eps)
-        variants = {"inductor": torch.compile(unfused, dynamic=False, options=opts),
-                    "fused": torch.compile(fused, dynamic=False, options=opts)}
-        outs = {name: fn(*args) for name, fn in variants.items()}
+        ref = [t.contiguous() for t in unfused(*args)[:2]]  # eager torch, FluxAccel's path uncompiled
+        inductor = torch.compile(unfused, dynamic=False, options=opts)
+        outs = {"inductor": inductor(*args), "grouped": grouped(*args)}
         for name, out in outs.items():
             compared(f"{name} q vs eager torch", out[0].contiguous(), ref[0])
             compared(f"{name} k vs eager torch", out[1].contiguous(), ref[1])
-        compared("fused v vs inductor v", outs["fused"][2], outs["inductor"][2].contiguous())
-        for name, fn in variants.items():
+        compared("grouped v vs inductor v", outs["grouped"][2], outs["inductor"][2].contiguous())
+        for name, fn in (("inductor", inductor), ("grouped", grouped)):
             ms = graph_ms(fn, args)
             emit("time", name=f"{name}: q, k, v to FP8", ms=round(ms, 4), per_step_ms=round(38 * ms, 3),
                  qk_tb_s=round(moved / ms / 1e9, 2))
-        for warps in (4,):
-            fp8_qk.NUM_WARPS = warps
-            ms = graph_ms(lambda *a: fp8_qk.qk_norm_rope_fp8(*a, HEADS, torch.finfo(torch.float32).eps), args)
-            emit("time", name=f"the operator alone, {warps} warps", ms=round(ms, 4),
-                 qk_tb_s=round(moved / ms / 1e9, 2))
-        fp8_qk.NUM_WARPS = 4
         variants_of_the_kernel(args)
         try:
             import fa3_fwd_interface  # noqa: F401  (registers torch.ops.fa3_fwd)
         except Exception as e:  # noqa: BLE001
             emit("time", name="with attention", error=f"{type(e).__name__}: {e}"[:300])
         else:
-            for name, make in (("inductor", unfused), ("fused", fused)):
-                torch._dynamo.reset()
-                fn = torch.compile(with_attention(make), dynamic=False, options=opts)
-                ms = graph_ms(fn, args)
+            for name, make in (("inductor", inductor), ("grouped", grouped)):
+                ms = graph_ms(with_attention(make), args)
                 emit("time", name=f"{name} + FlashAttention-3 FP8", ms=round(ms, 4), per_step_ms=round(38 * ms, 3))
     print("TABLE", json.dumps([r for r in RESULTS if r["kind"] == "time"]))
 
