@@ -5,6 +5,21 @@ import triton.language as tl
 
 
 @triton.jit
+def _v_absmax(v_row, width, vmax_ptr, t, BLOCK_V: tl.constexpr, V_MODE: tl.constexpr):
+    """V_MODE 0: nothing; 1: V's row absmax into vmax_ptr[0], a relaxed atomic; 2: the same, acq_rel (Triton's
+    default); 3: stored per program at vmax_ptr[1 + t]."""
+    if V_MODE > 0:
+        cols = tl.arange(0, BLOCK_V)
+        m = tl.max(tl.abs(tl.load(v_row + cols, mask=cols < width, other=0.0).to(tl.float32)), 0)
+        if V_MODE == 1:
+            tl.atomic_max(vmax_ptr, m, sem="relaxed")
+        elif V_MODE == 2:
+            tl.atomic_max(vmax_ptr, m)
+        else:
+            tl.store(vmax_ptr + 1 + t, m)
+
+
+@triton.jit
 def _one_split(src, w_ptr, scale, dst, offs, mask, pairs, f00, f01, f10, f11, eps, HEAD_DIM: tl.constexpr):
     x = tl.load(src + offs, mask=mask, other=0.0)
     xf = x.to(tl.float32)
@@ -21,7 +36,8 @@ def _one_split(src, w_ptr, scale, dst, offs, mask, pairs, f00, f01, f10, f11, ep
 def split_kernel(x_ptr, wq_ptr, wk_ptr, pe_ptr, s_ptr, q_ptr, k_ptr, vmax_ptr, x_sb, x_st, pe_sb, pe_st,
                  o_sb, o_st, tok_off, heads, eps, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_V: tl.constexpr, V_MODE: tl.constexpr):
-    """V_MODE 0: no V absmax; 1: atomic, relaxed; 2: atomic, acq_rel (the default); 3: per-program maxima."""
+    """One program per token, all heads of Q and K as [heads, D/2, 2] tiles, pairs by tl.split/tl.join; V as
+    _v_absmax's V_MODE."""
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     pairs = tl.arange(0, HEAD_DIM // 2)
@@ -37,16 +53,7 @@ def split_kernel(x_ptr, wq_ptr, wk_ptr, pe_ptr, s_ptr, q_ptr, k_ptr, vmax_ptr, x
     _one_split(row, wq_ptr, tl.load(s_ptr), q_ptr + out, offs, mask, pairs, f00, f01, f10, f11, eps, HEAD_DIM)
     _one_split(row + width, wk_ptr, tl.load(s_ptr + 1), k_ptr + out, offs, mask, pairs, f00, f01, f10, f11, eps,
                HEAD_DIM)
-    if V_MODE > 0:
-        cols = tl.arange(0, BLOCK_V)
-        v = tl.load(row + 2 * width + cols, mask=cols < width, other=0.0)
-        m = tl.max(tl.abs(v.to(tl.float32)), 0)
-        if V_MODE == 1:
-            tl.atomic_max(vmax_ptr, m, sem="relaxed")
-        elif V_MODE == 2:
-            tl.atomic_max(vmax_ptr, m)
-        else:
-            tl.store(vmax_ptr + 1 + t, m)
+    _v_absmax(row + 2 * width, width, vmax_ptr, t, BLOCK_V, V_MODE)
 
 
 @triton.jit
@@ -84,16 +91,7 @@ def strided_kernel(x_ptr, wq_ptr, wk_ptr, pe_ptr, s_ptr, q_ptr, k_ptr, vmax_ptr,
     _one_strided(row, wq_ptr, tl.load(s_ptr), q_ptr + out, offs2, mask2, pairs, f00, f01, f10, f11, eps, HEAD_DIM)
     _one_strided(row + width, wk_ptr, tl.load(s_ptr + 1), k_ptr + out, offs2, mask2, pairs, f00, f01, f10, f11, eps,
                  HEAD_DIM)
-    if V_MODE > 0:
-        cols = tl.arange(0, BLOCK_V)
-        v = tl.load(row + 2 * width + cols, mask=cols < width, other=0.0)
-        m = tl.max(tl.abs(v.to(tl.float32)), 0)
-        if V_MODE == 1:
-            tl.atomic_max(vmax_ptr, m, sem="relaxed")
-        elif V_MODE == 2:
-            tl.atomic_max(vmax_ptr, m)
-        else:
-            tl.store(vmax_ptr + 1 + t, m)
+    _v_absmax(row + 2 * width, width, vmax_ptr, t, BLOCK_V, V_MODE)
 
 
 @triton.jit
@@ -125,10 +123,7 @@ def partner_kernel(x_ptr, wq_ptr, wk_ptr, pe_ptr, s_ptr, q_ptr, k_ptr, vmax_ptr,
         o = (c_self * y + c_partner * yp).to(x.dtype).to(tl.float32) / tl.load(s_ptr + which)
         dst = q_ptr if which == 0 else k_ptr
         tl.store(dst + out + offs, tl.clamp(o, -448.0, 448.0).to(dst.dtype.element_ty), mask=mask)
-    if V_MODE > 0:
-        vc = tl.arange(0, BLOCK_V)
-        v = tl.load(row + 2 * width + vc, mask=vc < width, other=0.0)
-        tl.atomic_max(vmax_ptr, tl.max(tl.abs(v.to(tl.float32)), 0), sem="relaxed")
+    _v_absmax(row + 2 * width, width, vmax_ptr, t, BLOCK_V, V_MODE)
 
 
 @triton.jit

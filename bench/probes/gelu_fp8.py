@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
 register()
+from bench.probes.fp8_qk import graph_ms  # noqa: E402  (device time of a call replayed in a CUDA graph)
 from fluxaccel.core.quant import act_quant  # noqa: E402
 
 RESULTS: list[dict] = []
@@ -28,25 +29,6 @@ def emit(out: Path, **kw):
     RESULTS.append(kw)
     print("PROBE", json.dumps(kw), flush=True)
     (out / "gelu_fp8.json").write_text(json.dumps(RESULTS, indent=1))
-
-
-def graph_ms(fn, replays=200) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(replays):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / replays)
-    return sorted(times)[2]
 
 
 def main():
@@ -74,7 +56,7 @@ def main():
             for name, (fn, moved, per_step) in cases.items():
                 q, s = fn()
                 same = bool(torch.equal(q.float(), ref[name][0].float()) and torch.equal(s, ref[name][1]))
-                ms = graph_ms(fn)
+                ms = graph_ms(fn, ())
                 emit(out, case=name, warps=warps or f"rule ({rule(16384)})", ms=round(ms, 4),
                      tb_s=round(moved / ms / 1e9, 2), per_step_ms=round(per_step * ms, 3), same_values=same)
     act_quant.num_warps = rule
