@@ -213,6 +213,77 @@ def test_without_triton_the_operator_is_unavailable_with_the_reason(monkeypatch)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
     for name, body in ((act_quant.OP_NAME, act_quant._op_body), (act_quant.PAIR_OP_NAME, act_quant._pair_body),
                        (act_quant.SILU_OP_NAME, act_quant._silu_body),
-                       (act_quant.SILU_PAIR_OP_NAME, act_quant._silu_pair_body)):
+                       (act_quant.SILU_PAIR_OP_NAME, act_quant._silu_pair_body),
+                       (act_quant.LN_MOD_OP_NAME, act_quant._ln_mod_body)):
         op, why = act_quant._register(name, body)
         assert op is None and why == "Triton is not installed (the fused kernel is a Triton kernel)"
+
+
+def _modulated(seed=4, batch=2, tokens=5, width=320):
+    """A residual stream (batch, tokens, width) and FLUX's per-batch modulation (1 + scale, shift), (batch, 1, width)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(batch, tokens, width, generator=g) * 3 + 0.7).to(torch.bfloat16)
+    mult = (1 + 0.4 * torch.randn(batch, 1, width, generator=g)).to(torch.bfloat16)
+    shift = (0.5 * torch.randn(batch, 1, width, generator=g)).to(torch.bfloat16)
+    return x, mult, shift
+
+
+@pytest.mark.parametrize("lb, ub", [(None, None), (0.5, 2.0)])
+def test_the_layernorm_mod_op_is_comfyuis_modulated_norm_quantized_by_torchao(tiny_flux, lb, ub):
+    """On a real ComfyUI single block's pre_norm and ComfyUI's apply_mod, two batch entries with their own modulation:
+    the op's rows and scales are torchao's row-wise FP8 of what ComfyUI computes, eager and compiled."""
+    from comfy.ldm.flux.layers import apply_mod
+
+    block = tiny_flux.model.diffusion_model.single_blocks[0]
+    x, mult, shift = _modulated(width=block.hidden_size)
+    h = apply_mod(block.pre_norm(x), mult, shift)
+    tq, ts = _torchao(h.reshape(-1, h.shape[-1]), lb, ub)
+    q, s = act_quant.layernorm_mod_rowwise_fp8(x, mult, shift, block.pre_norm.eps, lb, ub)
+    assert q.shape == (10, block.hidden_size) and torch.equal(s, ts) and torch.equal(q.float(), tq.float())
+    torch._dynamo.reset()
+    cq, cs = torch.compile(lambda *a: act_quant.layernorm_mod_rowwise_fp8(*a, block.pre_norm.eps, lb, ub),
+                           dynamic=False, options={"emulate_precision_casts": True})(x, mult, shift)
+    assert torch.equal(cs, ts) and torch.equal(cq.float(), tq.float())
+    assert hasattr(torch.ops.fluxaccel, "layernorm_mod_rowwise_fp8")
+
+
+_LN_INTERPRETED = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from tools.plugin import register
+register()
+from fluxaccel.core.quant import act_quant
+g = torch.Generator().manual_seed(5)
+x = (torch.randn(2, 6, 300, generator=g) * torch.logspace(-1, 1, 6)[None, :, None] + 0.7).to(torch.bfloat16)
+mult = (1 + 0.4 * torch.randn(2, 1, 300, generator=g)).to(torch.bfloat16)  # per batch entry
+shift = (0.5 * torch.randn(2, 1, 300, generator=g)).to(torch.bfloat16)
+out = {}
+for lb, ub in ((None, None), (0.5, 3.0)):
+    _, rs = act_quant.layernorm_mod_reference(x, mult, shift, 1e-6, lb, ub)
+    h = torch.addcmul(shift, torch.nn.functional.layer_norm(x, (300,), eps=1e-6), mult).reshape(12, 300)
+    rv = (h.float() / rs).clamp(-448, 448)
+    v, s = torch.empty(12, 300), torch.empty_like(rs)  # float32 output: the kernel's values before the e4m3 cast
+    act_quant._kernel("layernorm_mod_rowwise_fp8_kernel")[(12,)](
+        x, mult, shift, v, s, 300, 6, 300, 300, v.stride(0), 1e-6, 0.0 if lb is None else lb, 0.0 if ub is None else ub,
+        HAS_LB=lb is not None, HAS_UB=ub is not None, BLOCK=512)
+    out[str(lb)] = (float(((s - rs) / rs).abs().max()), float(((v - rv).abs() / rv.abs().amax(-1, keepdim=True)).max()))
+print(out)
+"""
+
+
+def test_the_layernorm_mod_kernel_in_tritons_interpreter_matches_the_reference(tmp_path):
+    """The GPU kernel by Triton's CPU interpreter: two batch entries each with its own modulation row, rows of very
+    different ranges, with and without absmax bounds; scales and values (before the e4m3 cast) as the reference's up
+    to the interpreter's truncating bf16 casts (the norm's, the modulation's, the scale's: a few 2^-7; a wrong batch
+    row, mean or variance is off by far more). The GPU's own rounding: bench/probes/ln_fp8.py (scales equal to
+    eager's, FP8 values as inductor's)."""
+    pytest.importorskip("triton")
+    script = tmp_path / "interpreted.py"
+    script.write_text(_LN_INTERPRETED)
+    done = subprocess.run([sys.executable, str(script), str(ROOT)], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = eval(done.stdout.strip().splitlines()[-1])  # noqa: S307  (our own script's printed dict)
+    assert set(result) == {"None", "0.5"}
+    for scale_err, value_err in result.values():
+        assert scale_err < 3 * 2 ** -7 and value_err < 4 * 2 ** -7, result
