@@ -5,9 +5,7 @@ activation (quant/act_fusion.py: GELU, or FLUX.2's SiLU gate) linear2 applies it
 one kernel, but the concatenation is still written out first (FLUX.1-dev 1024²: 4608 rows of 15,360 values per block,
 38 blocks; FLUX.2 [dev]: 24,576 + 18,432 values, 48 blocks). Here linear2 reads the attention output and the MLP
 stream where they are (quant/act_quant.py's two-input kernels): the same numbers, one full read and write of the row
-fewer. Likewise linear1's input, `apply_mod(pre_norm(x), 1 + scale, shift)`, is normed, modulated and quantized in
-one kernel where linear1 quantizes row by row with dynamic scales and pre_norm is a plain LayerNorm (H200, 4608 x
-3072: 21 µs against inductor's 38 µs in the model, bench/NOTES.md); the same numbers again.
+fewer.
 
 The forward below is ComfyUI's, line for line but for that call, so it runs only where:
   * the block's class has a forward whose source is one FluxAccel read (KNOWN, by its SHA-256; another ComfyUI
@@ -26,10 +24,9 @@ import textwrap
 
 import torch
 
-from ..quant.linear import takes_ln_mod, takes_pair
+from ..quant.linear import takes_pair
 
 # SHA-256 of SingleStreamBlock.forward's source (dedented) -> where it was read
-FORWARD_VERSION = 2  # FluxAccel's forward below (2: linear1's input in one pass); in the compile cache's key
 KNOWN = {"0a79a7f4b0ed0598aaa39388484046d2eca88c48e67e5f6917dab984f3b551b6": "ComfyUI 0.33.0"}
 _CALLS = ("apply_mod", "attention")  # the module-level functions the forward calls, taken from the class's module
 _FUNCTIONS: dict = {}  # name -> function of the known class's module, filled by known() before any trace
@@ -64,14 +61,7 @@ def cache_tag(dm: torch.nn.Module, single_blocks: str) -> str:
     blocks = getattr(dm, "single_blocks", None)
     if single_blocks != "fluxaccel" or not blocks:
         return f"single_blocks={single_blocks}"
-    return f"single_blocks=fluxaccel{FORWARD_VERSION}:{source_hash(type(blocks[0]))[:16] or 'unreadable'}"
-
-
-def _plain_layer_norm(norm: torch.nn.Module) -> bool:
-    """A LayerNorm without affine parameters that ComfyUI runs as torch's layer_norm (no per-call weight cast or
-    weight function): what the one-pass kernel of linear1's input computes."""
-    return (isinstance(norm, torch.nn.LayerNorm) and norm.weight is None and norm.bias is None
-            and not getattr(norm, "weight_function", None) and not getattr(norm, "bias_function", None))
+    return f"single_blocks=fluxaccel:{source_hash(type(blocks[0]))[:16] or 'unreadable'}"
 
 
 def ready(block: torch.nn.Module) -> bool:
@@ -83,17 +73,13 @@ def ready(block: torch.nn.Module) -> bool:
 
 def forward(block, x, vec, pe, attn_mask=None, modulation_dims=None, transformer_options={}):  # noqa: B006 (ComfyUI's)
     """ComfyUI 0.33.0's SingleStreamBlock.forward with `linear2(torch.cat((attn, mlp), 2))` as one FP8 call on the
-    two parts (mlp_act is the Identity: linear2 applies the activation), and, where linear1 quantizes row by row,
-    linear1's modulated LayerNorm input made and quantized in one pass."""
+    two parts (mlp_act is the Identity: linear2 applies the activation)."""
     apply_mod, attention = _FUNCTIONS["apply_mod"], _FUNCTIONS["attention"]
     mod = block.modulation(vec)[0] if block.modulation else vec
     patches = transformer_options.get("patches", {})
     extra_options = transformer_options.copy()
-    if modulation_dims is None and takes_ln_mod(block.linear1) and _plain_layer_norm(block.pre_norm):
-        qkv_mlp = block.linear1.fp8_forward_ln_mod(x, 1 + mod.scale, mod.shift, block.pre_norm.eps)  # one pass
-    else:
-        qkv_mlp = block.linear1(apply_mod(block.pre_norm(x), (1 + mod.scale), mod.shift, modulation_dims))
-    qkv, mlp = torch.split(qkv_mlp, [3 * block.hidden_size, block.mlp_hidden_dim_first], dim=-1)
+    qkv, mlp = torch.split(block.linear1(apply_mod(block.pre_norm(x), (1 + mod.scale), mod.shift, modulation_dims)),
+                           [3 * block.hidden_size, block.mlp_hidden_dim_first], dim=-1)
     q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, block.num_heads, -1).permute(2, 0, 3, 1, 4)
     q, k = block.norm(q, k, v)
     for p in patches.get("attn1_patch", ()):

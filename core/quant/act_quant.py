@@ -31,7 +31,6 @@ OP_NAME = "fluxaccel::gelu_rowwise_fp8"
 PAIR_OP_NAME = "fluxaccel::gelu_pair_rowwise_fp8"
 SILU_OP_NAME = "fluxaccel::silu_gate_rowwise_fp8"
 SILU_PAIR_OP_NAME = "fluxaccel::silu_gate_pair_rowwise_fp8"
-LN_MOD_OP_NAME = "fluxaccel::layernorm_mod_rowwise_fp8"
 
 
 def gelu_columns(x: torch.Tensor, gelu_from: int) -> torch.Tensor:
@@ -61,14 +60,6 @@ def reference(x: torch.Tensor, gelu_from: int, lb: float | None = None, ub: floa
 def silu_gate_reference(x: torch.Tensor, gate_from: int, lb: float | None = None, ub: float | None = None):
     """(q, scale) of x (M, gate_from + 2 H): [x0 | SiLU(m1) * m2] (silu_gate_columns), then torchao's row-wise FP8."""
     return rowwise(silu_gate_columns(x, gate_from), lb, ub)
-
-
-def layernorm_mod_reference(x: torch.Tensor, mult: torch.Tensor, shift: torch.Tensor, eps: float,
-                            lb: float | None = None, ub: float | None = None):
-    """(q, scale) of x (batch, tokens, C): FLUX's apply_mod(LayerNorm(x), mult, shift) (torch's layer_norm without
-    affine, then addcmul, each in x's dtype; mult and shift (batch, 1, C)), then torchao's row-wise FP8."""
-    h = torch.addcmul(shift, torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=eps), mult)
-    return rowwise(h.reshape(-1, h.shape[-1]), lb, ub)
 
 
 def rowwise(h: torch.Tensor, lb: float | None = None, ub: float | None = None):
@@ -159,30 +150,6 @@ def _gpu_silu_pair(a, m, lb, ub):
     return q, s
 
 
-def _gpu_ln_mod(x, mult, shift, eps, lb, ub):
-    import triton
-    from torch.library import wrap_triton
-
-    b, n, c = x.shape
-    rows = _rows(x)
-    mult, shift = mult.reshape(-1, c).contiguous(), shift.reshape(-1, c).contiguous()
-    q = torch.empty((b * n, c), device=x.device, dtype=torch.float8_e4m3fn)
-    s = torch.empty((b * n, 1), device=x.device, dtype=torch.float32)
-    block = triton.next_power_of_2(c)
-    wrap_triton(_kernel("layernorm_mod_rowwise_fp8_kernel"))[(b * n,)](
-        rows, mult, shift, q, s, c, n, rows.stride(0), mult.stride(0) if mult.shape[0] > 1 else 0, q.stride(0), eps,
-        0.0 if lb is None else lb, 0.0 if ub is None else ub, HAS_LB=lb is not None, HAS_UB=ub is not None,
-        BLOCK=block, num_warps=num_warps(block))
-    return q, s
-
-
-def _ln_mod_body(x: torch.Tensor, mult: torch.Tensor, shift: torch.Tensor, eps: float, lb: float | None,
-                 ub: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.device.type == "cuda":
-        return _gpu_ln_mod(x, mult, shift, eps, lb, ub)
-    return layernorm_mod_reference(x, mult, shift, eps, lb, ub)
-
-
 def _op_body(x: torch.Tensor, gelu_from: int, lb: float | None, ub: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     if x.device.type == "cuda":
         return _gpu(x, gelu_from, lb, ub)
@@ -233,7 +200,6 @@ _OP, UNAVAILABLE = _register(OP_NAME, _op_body)
 _PAIR_OP, PAIR_UNAVAILABLE = _register(PAIR_OP_NAME, _pair_body)
 _SILU_OP, SILU_UNAVAILABLE = _register(SILU_OP_NAME, _silu_body)
 _SILU_PAIR_OP, SILU_PAIR_UNAVAILABLE = _register(SILU_PAIR_OP_NAME, _silu_pair_body)
-_LN_MOD_OP, LN_MOD_UNAVAILABLE = _register(LN_MOD_OP_NAME, _ln_mod_body)
 
 
 def gelu_rowwise_fp8(x: torch.Tensor, gelu_from: int = 0, lb: float | None = None, ub: float | None = None):
@@ -266,16 +232,6 @@ def silu_gate_pair_rowwise_fp8(a: torch.Tensor, m: torch.Tensor, lb: float | Non
     if _SILU_PAIR_OP is None:
         raise RuntimeError(SILU_PAIR_UNAVAILABLE)
     return _SILU_PAIR_OP(_rows(a), _rows(m), lb, ub)
-
-
-def layernorm_mod_rowwise_fp8(x: torch.Tensor, mult: torch.Tensor, shift: torch.Tensor, eps: float,
-                              lb: float | None = None, ub: float | None = None):
-    """(q (batch x tokens, C), scale (batch x tokens, 1)): x (batch, tokens, C) through LayerNorm without affine and
-    FLUX's modulation addcmul(shift, ., mult) (mult and shift (batch or 1, 1, C)), quantized row by row to FP8 e4m3
-    in one pass (layernorm_mod_reference's numbers)."""
-    if _LN_MOD_OP is None:
-        raise RuntimeError(LN_MOD_UNAVAILABLE)
-    return _LN_MOD_OP(x, mult.to(x.dtype), shift.to(x.dtype), float(eps), lb, ub)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

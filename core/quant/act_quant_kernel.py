@@ -115,27 +115,3 @@ def silu_gate_pair_rowwise_fp8_kernel(a_ptr, m_ptr, q_ptr, s_ptr, n_a, half, a_s
     tl.store(q_row + ca, tl.clamp(af * r, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=ca < n_a)
     tl.store(q_row + n_a + ch, tl.clamp(h * r, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=hm)
     tl.store(s_ptr + row, scale)
-
-
-@triton.jit
-def layernorm_mod_rowwise_fp8_kernel(x_ptr, mult_ptr, shift_ptr, q_ptr, s_ptr, n_cols, tokens, x_stride, mod_stride,
-                                     q_stride, eps, lb, ub, HAS_LB: tl.constexpr, HAS_UB: tl.constexpr,
-                                     BLOCK: tl.constexpr):
-    """One program per row, the whole row in registers: LayerNorm without affine (float32, rounded to the input's
-    dtype as torch's layer_norm rounds), FLUX's modulation addcmul(shift, y, mult) with the row's batch entry of
-    mult and shift (rounded once, as torch's addcmul), then the row-wise FP8 quantization of gelu_rowwise_fp8_kernel.
-    A FLUX block's `linear(apply_mod(norm(x), 1 + scale, shift))` input in one pass over memory."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-    xf = x.to(tl.float32)
-    d = tl.where(mask, xf - tl.sum(xf, 0) / n_cols, 0.0)
-    y = (d * tl.math.rsqrt(tl.sum(d * d, 0) / n_cols + eps)).to(x.dtype).to(tl.float32)
-    mod = (row // tokens) * mod_stride + cols
-    m = tl.load(mult_ptr + mod, mask=mask, other=0.0).to(tl.float32)
-    h = (y * m + tl.load(shift_ptr + mod, mask=mask, other=0.0).to(tl.float32)).to(x.dtype).to(tl.float32)
-    h = tl.where(mask, h, 0.0)
-    scale = _scale(tl.max(tl.abs(h), 0), lb, ub, x.dtype, HAS_LB, HAS_UB)
-    tl.store(q_ptr + row * q_stride + cols, tl.clamp(h / scale, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row, scale)

@@ -224,13 +224,3 @@ def fp8_linear_act_pair(a: torch.Tensor, m: torch.Tensor, w_data: torch.Tensor, 
     ao = _AO or float8_ops()
     x_data, x_scale = _FUSED_QUANT[act][1](a, m, act_kwargs.hp_value_lb, act_kwargs.hp_value_ub)
     return _scaled_gemm(ao, x_data, x_scale, w_data, w_scale, bias, mm_config, a)
-
-
-def fp8_linear_ln_mod(x: torch.Tensor, mult: torch.Tensor, shift: torch.Tensor, eps: float, w_data: torch.Tensor,
-                      w_scale: torch.Tensor, bias: torch.Tensor | None, act_kwargs, mm_config) -> torch.Tensor:
-    """fp8_linear of FLUX's addcmul(shift, LayerNorm(x), mult) (a block's modulated norm), the norm, the modulation
-    and the row-wise activation quantization done in one pass (act_quant.py); per-row activation scales only."""
-    ao = _AO or float8_ops()
-    x_data, x_scale = act_quant.layernorm_mod_rowwise_fp8(x, mult, shift, eps, act_kwargs.hp_value_lb,
-                                                          act_kwargs.hp_value_ub)
-    return _scaled_gemm(ao, x_data, x_scale, w_data, w_scale, bias, mm_config, x)

@@ -13,9 +13,7 @@ from ..errors import FluxAccelError
 from ..upstream import Unavailable, say, torch_internals
 from ..upstream.torchao_internals import map_float8_data
 from .act_quant import activation_columns
-from .act_quant import LN_MOD_UNAVAILABLE
-from .fp8 import (Fp8Config, float8_ops, fp8_linear, fp8_linear_act, fp8_linear_act_pair, fp8_linear_ln_mod,
-                  is_fp8_weight)
+from .fp8 import Fp8Config, float8_ops, fp8_linear, fp8_linear_act, fp8_linear_act_pair, is_fp8_weight
 
 
 class _Fp8DeviceMove:
@@ -69,13 +67,6 @@ def takes_pair(m: torch.nn.Module, first: int) -> bool:
     return isinstance(m, _Fp8Plain) and m.fused_act is not None and m.act_from == first
 
 
-def takes_ln_mod(m: torch.nn.Module) -> bool:
-    """Whether m is a plain-layout FP8 Linear with dynamic row-wise activation scales and no fused activation, i.e.
-    can run fp8_forward_ln_mod (a FLUX block's modulated LayerNorm quantized with its input in one pass)."""
-    return (isinstance(m, _Fp8Plain) and m.fused_act is None and not LN_MOD_UNAVAILABLE
-            and type(getattr(m.fp8_act_kwargs, "granularity", None)).__name__ == "PerRow")
-
-
 def is_fp8_linear(m: torch.nn.Module) -> bool:
     """A Linear quantized by quantize_linear, in either layout."""
     return isinstance(m, _Fp8DeviceMove)
@@ -119,17 +110,6 @@ class _Fp8Plain(_Fp8DeviceMove):
             self.convert_weight(self.weight)  # a lowvram/LoRA weight function reached an FP8 Linear: refuse
         return fp8_linear_act_pair(a, m, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs,
                                    self.fp8_mm_config, self.fused_act)
-
-    def fp8_forward_ln_mod(self, x, mult, shift, eps: float):
-        """forward(torch.addcmul(shift, layer_norm(x, eps=eps), mult)) for a Linear takes_ln_mod() accepts, the norm,
-        the modulation and the row-wise quantization in one pass (compile/single_block.py)."""
-        if not takes_ln_mod(self):
-            raise FluxAccelError("fp8_forward_ln_mod: this Linear does not quantize its input row by row with dynamic "
-                                 "scales (or has a fused activation)")
-        if self.weight_function or self.bias_function:
-            self.convert_weight(self.weight)  # a lowvram/LoRA weight function reached an FP8 Linear: refuse
-        return fp8_linear_ln_mod(x, mult, shift, eps, self.weight, self.fp8_weight_scale, self.bias,
-                                 self.fp8_act_kwargs, self.fp8_mm_config)
 
     def activation_input(self, x):
         """What this Linear quantizes of its input x: x itself, or x with the fused activation applied."""

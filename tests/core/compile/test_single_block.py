@@ -30,26 +30,16 @@ READ = COMFY_VERSION == "0.33.0"  # the ComfyUI whose single-block forward FluxA
 
 @pytest.fixture
 def pair_calls(monkeypatch):
-    """How often linear2 was called on the two parts (FluxAccel's forward ran); LN_MOD: linear1 on its modulated
-    LayerNorm input in one pass."""
+    """How often linear2 was called on the two parts (FluxAccel's forward ran)."""
     calls = []
-    real, real_ln = linear._Fp8Plain.fp8_forward_pair, linear._Fp8Plain.fp8_forward_ln_mod
+    real = linear._Fp8Plain.fp8_forward_pair
 
     def counted(self, a, m):
         calls.append(tuple(a.shape) + tuple(m.shape))
         return real(self, a, m)
 
-    def counted_ln(self, x, mult, shift, eps):
-        LN_MOD.append(tuple(x.shape))
-        return real_ln(self, x, mult, shift, eps)
-
-    LN_MOD.clear()
     monkeypatch.setattr(linear._Fp8Plain, "fp8_forward_pair", counted)
-    monkeypatch.setattr(linear._Fp8Plain, "fp8_forward_ln_mod", counted_ln)
     return calls
-
-
-LN_MOD: list = []
 
 
 _TRACED = []  # pair_traced's count (a comptime function takes no free variables)
@@ -124,9 +114,8 @@ def test_through_the_regions_it_equals_comfyuis_forward_bit_for_bit(cpu_fp8, tin
     ours = _run(dm, inputs, BlockRegions(dm, "fluxaccel").transformer_options())
     hidden, n = dm.hidden_size, len(dm.single_blocks)
     assert [c[-1] for c in pair_calls] == [4 * hidden] * n and {c[2] for c in pair_calls} == {hidden}
-    assert len(LN_MOD) == n and {s[-1] for s in LN_MOD} == {hidden}  # linear1's input in one pass, each block
     comfy = _run(dm, inputs, BlockRegions(dm, "comfyui").transformer_options())
-    assert len(pair_calls) == n and len(LN_MOD) == n and torch.equal(ours, comfy)
+    assert len(pair_calls) == n and torch.equal(ours, comfy)
     assert torch.equal(ours, _run(dm, inputs, {}))
 
 
@@ -143,7 +132,7 @@ def test_flux2s_single_blocks_run_it_with_the_silu_gate(cpu_fp8, pair_calls):
     ours = denoise_once(fused, hw=8, transformer_options=BlockRegions(dm, "fluxaccel").transformer_options())
     n, block = len(dm.single_blocks), dm.single_blocks[0]
     assert len(pair_calls) == n and {c[-1] for c in pair_calls} == {block.mlp_hidden_dim_first} and \
-        block.mlp_hidden_dim_first == 2 * block.mlp_hidden_dim and len(LN_MOD) == n
+        block.mlp_hidden_dim_first == 2 * block.mlp_hidden_dim
     comfy = denoise_once(fused, hw=8, transformer_options=BlockRegions(dm, "comfyui").transformer_options())
     assert len(pair_calls) == n and torch.equal(ours, comfy)
 
@@ -162,7 +151,7 @@ def test_it_runs_only_where_linear2_takes_the_two_parts(cpu_fp8, tiny_flux, pair
     assert not any(single_block.ready(b) for b in dm.single_blocks)
     inputs = flux_inputs(dm)
     assert torch.equal(_run(dm, inputs, BlockRegions(dm, "fluxaccel").transformer_options()), _run(dm, inputs, {}))
-    assert pair_calls == [] and LN_MOD == []
+    assert pair_calls == []
 
 
 def _ops_called(gm) -> set:
@@ -187,8 +176,8 @@ def test_compiled_the_graph_calls_the_pair_operator_once_per_single_block(cpu_fp
                    BlockRegions(dm, forward).transformer_options())
         assert len(rec.graphs) == 1 and torch.equal(out, _run(dm, inputs, {}))
         graphs[forward] = _ops_called(rec.graphs[0])
-    for op in ("gelu_pair_rowwise_fp8", "layernorm_mod_rowwise_fp8"):  # linear2's input, linear1's input
-        assert f"fluxaccel.{op}.default" in graphs["fluxaccel"] and f"fluxaccel.{op}.default" not in graphs["comfyui"]
+    assert "fluxaccel.gelu_pair_rowwise_fp8.default" in graphs["fluxaccel"]
+    assert "fluxaccel.gelu_pair_rowwise_fp8.default" not in graphs["comfyui"]
 
 
 @pytest.mark.skipif(not READ, reason="the forward FluxAccel read is ComfyUI 0.33.0's")
@@ -227,8 +216,8 @@ def test_the_compile_cache_keeps_the_two_forwards_apart(tiny_flux):
     dm = tiny_flux.model.diffusion_model
     keys = {f: cache_key(dm, CompileConfig(single_blocks=f), torch.device("cpu")) for f in ("fluxaccel", "comfyui")}
     assert keys["fluxaccel"] != keys["comfyui"]
-    assert single_block.cache_tag(dm, "fluxaccel") == f"single_blocks=fluxaccel{single_block.FORWARD_VERSION}:" \
-        f"{single_block.source_hash(type(dm.single_blocks[0]))[:16]}"
+    assert single_block.cache_tag(dm, "fluxaccel") == \
+        f"single_blocks=fluxaccel:{single_block.source_hash(type(dm.single_blocks[0]))[:16]}"
 
 
 def test_config_refuses_another_forward_by_name():
@@ -248,22 +237,3 @@ def test_linear2_refuses_a_pair_split_elsewhere(cpu_fp8, tiny_flux):
     with pytest.raises(FluxAccelError, match=f"starts at column {hidden}, not at the first input's end \\(8\\)"):
         lin.fp8_forward_pair(x[..., :8], x[..., 8:])
     assert torch.equal(lin.fp8_forward_pair(x[..., :hidden], x[..., hidden:]), lin(x))
-
-
-def test_linear1_takes_its_input_in_one_pass_only_where_it_quantizes_rows_dynamically(cpu_fp8, tiny_flux, monkeypatch):
-    """linear1 of an FP8 per-row plain model takes it; linear2 (a fused activation, refused by name), a per-tensor or
-    subclass-layout Linear, and any Linear where the operator is unavailable do not (the block's own path runs)."""
-    from fluxaccel.core.errors import FluxAccelError
-
-    per_row, _ = apply_fp8(tiny_flux, Fp8Config("per_row"))
-    block = _loaded(per_row).single_blocks[0]
-    assert linear.takes_ln_mod(block.linear1) and not linear.takes_ln_mod(block.linear2)
-    with pytest.raises(FluxAccelError, match="does not quantize its input row by row with dynamic scales"):
-        block.linear2.fp8_forward_ln_mod(torch.zeros(1, 2, block.hidden_size, dtype=torch.bfloat16),
-                                         torch.ones(1, 1, block.hidden_size), torch.zeros(1, 1, block.hidden_size), 1e-6)
-    monkeypatch.setattr(linear, "LN_MOD_UNAVAILABLE", "Triton is not installed (the fused kernel is a Triton kernel)")
-    assert not linear.takes_ln_mod(block.linear1)
-    monkeypatch.setattr(linear, "LN_MOD_UNAVAILABLE", "")
-    for cfg in (Fp8Config("per_tensor"), Fp8Config("per_row", layout="subclass")):
-        other, _ = apply_fp8(tiny_flux, cfg)
-        assert not linear.takes_ln_mod(_loaded(other).single_blocks[0].linear1), cfg
