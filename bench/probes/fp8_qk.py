@@ -9,7 +9,6 @@ Prints one JSON line per measurement ("PROBE {...}"), writes DIR/fp8_qk.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -21,19 +20,15 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
 register()
+from bench.probes.replay import Record, graph_ms  # noqa: E402
 from fluxaccel.core.compile import fp8_attention as fa  # noqa: E402
 
-RESULTS: list[dict] = []
-OUT: Path | None = None
+REC: Record | None = None  # main()'s record of measurements
 N_TXT, N_IMG, HEADS, D, MLP = 512, 4096, 24, 128, 12288
 
 
 def emit(kind: str, **kw):
-    rec = {"kind": kind, **kw}
-    RESULTS.append(rec)
-    print("PROBE", json.dumps(rec), flush=True)
-    if OUT is not None:
-        (OUT / "fp8_qk.json").write_text(json.dumps(RESULTS, indent=1))
+    REC.emit(kind=kind, **kw)
 
 
 def inputs():
@@ -99,26 +94,6 @@ def with_attention(make):
     return run
 
 
-def graph_ms(fn, args, replays=200) -> float:
-    """Device time per call of fn(*args) captured in a CUDA graph (median of 5 runs of `replays` replays)."""
-    for _ in range(3):
-        fn(*args)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn(*args)
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(replays):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / replays)
-    return sorted(times)[2]
-
-
 def compared(name, got, want):
     """FP8 tensors of the same layout: the share of values that differ and the largest difference in e4m3 steps."""
     g, w = got.float(), want.float()
@@ -164,11 +139,8 @@ def variants_of_the_kernel(args):
 
 
 def main():
-    global OUT
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=".")
-    OUT = Path(ap.parse_args().out)
-    OUT.mkdir(parents=True, exist_ok=True)
+    global REC
+    REC = Record("fp8_qk.json")
     args = inputs()
     qkv = args[0]
     moved = qkv.numel() // 3 * 2 * 2 + qkv.numel() // 3 * 2 * 1  # Q, K read (bf16) and written (e4m3)
@@ -194,7 +166,7 @@ def main():
             for name, make in (("inductor", inductor), ("grouped", grouped)):
                 ms = graph_ms(with_attention(make), args)
                 emit("time", name=f"{name} + FlashAttention-3 FP8", ms=round(ms, 4), per_step_ms=round(38 * ms, 3))
-    print("TABLE", json.dumps([r for r in RESULTS if r["kind"] == "time"]))
+    print("TABLE", json.dumps([r for r in REC.results if r["kind"] == "time"]))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,6 @@ Prints one JSON line per measurement ("PROBE {...}"), writes DIR/gelu_fp8.json.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -19,23 +17,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
 register()
-from bench.probes.fp8_qk import graph_ms  # noqa: E402  (device time of a call replayed in a CUDA graph)
+from bench.probes.replay import Record, graph_ms  # noqa: E402
 from fluxaccel.core.quant import act_quant  # noqa: E402
 
-RESULTS: list[dict] = []
-
-
-def emit(out: Path, **kw):
-    RESULTS.append(kw)
-    print("PROBE", json.dumps(kw), flush=True)
-    (out / "gelu_fp8.json").write_text(json.dumps(RESULTS, indent=1))
-
-
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=".")
-    out = Path(ap.parse_args().out)
-    out.mkdir(parents=True, exist_ok=True)
+    rec = Record("gelu_fp8.json")
     g = torch.Generator(device="cuda").manual_seed(0)
     lin1 = torch.randn(4608, 3 * 3072 + 12288, device="cuda", generator=g).to(torch.bfloat16)
     attn = torch.randn(4608, 3072, device="cuda", generator=g).to(torch.bfloat16)
@@ -57,7 +43,7 @@ def main():
                 q, s = fn()
                 same = bool(torch.equal(q.float(), ref[name][0].float()) and torch.equal(s, ref[name][1]))
                 ms = graph_ms(fn, ())
-                emit(out, case=name, warps=warps or f"rule ({rule(16384)})", ms=round(ms, 4),
+                rec.emit(case=name, warps=warps or f"rule ({rule(16384)})", ms=round(ms, 4),
                      tb_s=round(moved / ms / 1e9, 2), per_step_ms=round(per_step * ms, 3), same_values=same)
     act_quant.num_warps = rule
 

@@ -8,8 +8,6 @@ Prints one JSON line per measurement ("PROBE {...}"), writes DIR/ln_fp8.json.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,9 +18,8 @@ import triton.language as tl
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from bench.probes.fp8_qk import graph_ms  # noqa: E402  (device time of a call replayed in a CUDA graph)
+from bench.probes.replay import Record, graph_ms  # noqa: E402
 
-RESULTS: list[dict] = []
 EPS = 1e-6  # FLUX's LayerNorms
 
 
@@ -64,17 +61,8 @@ def kernel_path(x, mult, shift, warps):
     return q, s
 
 
-def emit(out: Path, **kw):
-    RESULTS.append(kw)
-    print("PROBE", json.dumps(kw), flush=True)
-    (out / "ln_fp8.json").write_text(json.dumps(RESULTS, indent=1))
-
-
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=".")
-    out = Path(ap.parse_args().out)
-    out.mkdir(parents=True, exist_ok=True)
+    rec = Record("ln_fp8.json")
     g = torch.Generator(device="cuda").manual_seed(0)
     mult = (1 + 0.3 * torch.randn(3072, device="cuda", generator=g)).to(torch.bfloat16)
     shift = (0.3 * torch.randn(3072, device="cuda", generator=g)).to(torch.bfloat16)
@@ -86,13 +74,13 @@ def main():
             ref = torch_path(x, mult, shift)
             ind = compiled(x, mult, shift)
             ms = graph_ms(lambda: compiled(x, mult, shift), ())
-            emit(out, rows=rows, path="inductor", ms=round(ms, 4), tb_s=round(moved / ms / 1e9, 2),
+            rec.emit(rows=rows, path="inductor", ms=round(ms, 4), tb_s=round(moved / ms / 1e9, 2),
                  per_step_ms=round(per_step * ms, 3), fp8_differ_vs_eager=float((ind[0].float() != ref[0].float())
                                                                               .float().mean()))
             for warps in (4, 8, 16):
                 q, s = kernel_path(x, mult, shift, warps)
                 ms = graph_ms(lambda w=warps: kernel_path(x, mult, shift, w), ())
-                emit(out, rows=rows, path=f"kernel, {warps} warps", ms=round(ms, 4), tb_s=round(moved / ms / 1e9, 2),
+                rec.emit(rows=rows, path=f"kernel, {warps} warps", ms=round(ms, 4), tb_s=round(moved / ms / 1e9, 2),
                      per_step_ms=round(per_step * ms, 3),
                      fp8_differ_vs_eager=float((q.float() != ref[0].float()).float().mean()),
                      scales_max_rel=float(((s - ref[1]) / ref[1]).abs().max()))
