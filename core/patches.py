@@ -71,6 +71,7 @@ def describe(model) -> dict:
                           "uncompiled_while_compiling": st.uncompiled_while_compiling,
                           "graphs_off_reason": st.graphs_off_reason, "graph_capture": c.cfg.graph_capture,
                           **({"call_graphs": c.runner.call_graphs.counts()} if c.runner.call_graphs else {}),
+                          **({"modulation_table": c.runner.mod_table.counts()} if c.runner.mod_table else {}),
                           "graph_rerecords": st.rerecords(),
                           "graphs_lost": {k.describe(): v for k, v in st.graphs_lost.items()},
                           "model_compiler_paused_calls": st.model_compiler_paused,

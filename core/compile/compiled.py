@@ -36,7 +36,7 @@ class CompiledFlux(torch.nn.Module):
     (which shapes run compiled), the runner (the compiled call) and the telemetry (stats, progress, editor)."""
 
     def __init__(self, dm: torch.nn.Module, cfg: CompileConfig, device: torch.device, variant: str = "",
-                 layout: str | None = None, scale: int = 8, references: bool = True):
+                 layout: str | None = None, scale: int = 8, references: bool = True, mod_table=None):
         super().__init__()
         # held outside _modules: the live diffusion model must not appear twice in the module tree
         object.__setattr__(self, "_dm", dm)
@@ -51,7 +51,7 @@ class CompiledFlux(torch.nn.Module):
                              self.regions, None if cfg.captured else self.packages,
                              attention=attention_override(cfg.attention), whole=not cfg.captured,
                              call_graphs=CallGraphs(limit=2 * cfg.max_shapes)
-                             if cfg.captured and self.device.type == "cuda" else None)
+                             if cfg.captured and self.device.type == "cuda" else None, mod_table=mod_table)
         self.telemetry = Telemetry(self)
         self.separate = self._separate(self.packages)
         self.here = False  # compiling_here(): Warmup and Benchmark compile in this process

@@ -48,6 +48,9 @@ class CompileConfig:
     # the sampler's CPU inputs (the conditioning) copied to the GPU through pinned memory without the host waiting
     # (staging.py); off: ComfyUI's own blocking copy in every model call
     stage_inputs: bool = True
+    # every block modulation computed once per prompt for all of the sampler's sigmas, looked up at each call
+    # (mod_table.py); off: each call computes them
+    modulation_table: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -96,7 +99,9 @@ class CompileConfig:
             "a new shape compiles in a separate process while the model runs uncompiled" if self.separate_process
             else "a new shape compiles in its first call",
             "the sampler's CPU inputs copied to the GPU without waiting for it" if self.stage_inputs
-            else "the sampler's CPU inputs copied by ComfyUI (the host waits for the GPU at every call)"])
+            else "the sampler's CPU inputs copied by ComfyUI (the host waits for the GPU at every call)",
+            *(["block modulations computed once per prompt for all of the sampler's sigmas"]
+              if self.modulation_table else [])])
 
     @property
     def captured(self) -> bool:

@@ -14,7 +14,7 @@ import torch
 from ..models.loaded import foreign_graph_compilers, require_compatible, resident
 from ..quant.linear import takes_pair
 from .config import CompileConfig
-from . import single_block
+from . import mod_table, single_block
 from .compiled import CompiledFlux
 from .staging import staging_wrapper
 from ..env import require_torch
@@ -232,8 +232,10 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
         log.info("FluxAccel: replacing ComfyUI's whole-model torch.compile wrapper with FluxAccel's")
         clone.remove_wrappers_with_key(wt, COMFY_COMPILE_KEY)
         clone.model_options.pop("torch_compile_kwargs", None)
-    compiled = CompiledFlux(dm, cfg, device, variant=model_variant(model), layout=model_layout(model),
-                            scale=latent_scale(model), references=profile(model).references)
+    # the modulation table's modules swapped in on the clone (mod_table.py): part of the compiled graph's variant
+    table = mod_table.install(clone, model, dm, device, node) if cfg.modulation_table else None
+    compiled = CompiledFlux(dm, cfg, device, variant=model_variant(clone), layout=model_layout(model),
+                            scale=latent_scale(model), references=profile(model).references, mod_table=table)
     compiled.stats.graphs_off_reason = graphs_off
     if graphs_off:
         compiled.stats.degrade("CUDA graphs", graphs_off)
@@ -252,7 +254,8 @@ def recompiled(model):
     if old is None:
         return model, None
     compiled = CompiledFlux(old._dm, old.cfg, old.device, variant=model_variant(model),
-                            layout=model_layout(model), scale=old.scale, references=old.references)
+                            layout=model_layout(model), scale=old.scale, references=old.references,
+                            mod_table=old.runner.mod_table)
     compiled.stats.graphs_off_reason = old.stats.graphs_off_reason
     compiled.stats.degradations = [d for d in old.stats.degradations if d.kind == "off"]
     return _install(model, compiled)

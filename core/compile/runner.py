@@ -52,8 +52,9 @@ class Runner:
     Comfy model compiler's answer for the last call."""
 
     def __init__(self, dm: torch.nn.Module, options: dict, graphs: bool, regions=None, packages=None,
-                 attention=sdpa_cudnn_first, call_graphs=None, whole: bool = True):
+                 attention=sdpa_cudnn_first, call_graphs=None, whole: bool = True, mod_table=None):
         self.dm, self.graphs, self.regions, self.packages = dm, graphs, regions, packages
+        self.mod_table = mod_table  # mod_table.ModTable: block modulations looked up per call, or None
         self.call_graphs = call_graphs
         self.attention = attention  # the attention override FluxAccel compiles with (options.attention_override)
         # whole: torch.compile of the whole model; else the model runs as it is and its blocks are compiled on their
@@ -80,6 +81,8 @@ class Runner:
                 comfy_internals.outside_model_compiler() as self.paused:
             package = self.packages.get(key, self.dm, (x, timestep), call_kwargs, loading) if self.packages else None
             fn = self.compiled if package is None else functools.partial(package, self.dm)
+            if self.mod_table is not None:  # built at a run's first call; the rows looked up inside the call
+                fn = self.mod_table.around(fn, self.mod_table.prepare(self.dm, x, timestep, kwargs, transformer_options))
             if self.call_graphs is not None:  # captured (or replayed) whole; its output is already a copy
                 return self.call_graphs(key, self.dm, fn, (x, timestep), call_kwargs)
             out = fn(x, timestep, **call_kwargs)

@@ -1,0 +1,315 @@
+"""The modulation table (opt-in on the Compile node): every block's modulation computed once per prompt, for all of the
+sampler's sigmas, instead of at every model call.
+
+A FLUX.1 block's modulation is a Linear of SiLU(vec) with M = 1 (a row per batch entry): at every step each of the 76
+modulations reads its whole weight for one row (FLUX.1-dev: 3.2 billion bf16 weights, 6.4 GB per step, ~2.3 ms per
+step on an H200 at 1024², bench/NOTES.md). `vec` depends only on the timestep, the guidance and the pooled text vector
+`y`, and the sampler's sigmas are known before its first call (transformer_options["sample_sigmas"]). So at the first
+model call of a sampling run the table computes vec for every sigma and each modulation for all those rows at once:
+each weight read once per prompt.
+
+How a call finds its rows, exactly: the table is keyed by the call's inputs, not by values computed from them. At the
+start of each call (inside its CUDA graph) `match` compares the call's timestep, guidance and y with the keys, exact
+float equality, and writes each batch entry's table row, or -1, into `rows`; after the call `rows` is -1 again (a call
+that does not go through the runner, e.g. an uncompiled one, computes every row). The modulation operator copies a
+matched row's outputs from the table and reads no weights; for an unmatched row it computes the Linear. A sampler that
+calls the model at other sigmas (midpoints), a cond batched differently, or more rows than the table holds: those rows
+are computed, counted (the stats' rows_computed), never wrong. The table's values come from a GEMM with more rows
+than the call's: they can differ from the per-call Linear in the last bit, as any other kernel choice can.
+
+Where it applies (refused with the reason elsewhere, by the Compile node): FLUX.1 models whose blocks' Modulation
+forward and vector lines FluxAccel read (KNOWN_*: their source's SHA-256), with modulation weights in the compute
+dtype, not FP8 (Quantize FP8's scope 'blocks+modulation'), and no weight patches on them. Memory: CAPACITY rows of
+every modulation's outputs (FLUX.1-dev: 2.1 MB a row, 134 MB), moved with the model.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import textwrap
+import time
+
+import torch
+
+from ..errors import FluxAccelError
+
+log = logging.getLogger("fluxaccel.compile")
+
+OP_NAME = "fluxaccel::modulation_rows"
+CAPACITY = 64  # table rows: sigmas x batch entries of the run's first call
+MAX_BATCH = 16  # batch entries a call may have to use the table
+# SHA-256 of ComfyUI's Modulation.forward (dedented) and of forward_orig's vector lines -> where they were read
+KNOWN_MODULATION = {"6d5295cc94526d674d83e3f5063482a4952fce0e956a161ba71722588803832d": "ComfyUI 0.33.0"}
+KNOWN_VECTOR = {"3f5d555d99f0177cfaa7fef829c7a6bf03270e3817f4dcba60a1e35c58cdf8a6": "ComfyUI 0.33.0"}
+_VEC_FIRST, _VEC_LAST = "vec = self.time_in(", "vec = vec + self.vector_in("
+_FUNCTIONS: dict = {}  # timestep_embedding of the model's module, kept by why_not()
+
+
+def _rows_reference(vec, rows, weight, bias, table):
+    r = rows[:vec.shape[0]].long()
+    computed = torch.nn.functional.linear(torch.nn.functional.silu(vec), weight, bias)
+    return torch.where((r >= 0)[:, None], table[r.clamp(min=0)].to(computed.dtype), computed)
+
+
+def _rows_gpu(vec, rows, weight, bias, table):
+    import triton
+    from torch.library import wrap_triton
+
+    from .mod_table_kernel import modulation_rows_kernel
+
+    b, n = vec.shape[0], weight.shape[0]
+    out = torch.empty((b, n), device=vec.device, dtype=vec.dtype)
+    block_n = 128
+    wrap_triton(modulation_rows_kernel)[(b, triton.cdiv(n, block_n))](
+        vec, rows, weight, weight if bias is None else bias, table, out, n, vec.shape[1], vec.stride(0),
+        weight.stride(0), table.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_D=64)
+    return out
+
+
+def _rows_body(vec: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               table: torch.Tensor) -> torch.Tensor:
+    if vec.device.type == "cuda":
+        return _rows_gpu(vec, rows, weight, bias, table)
+    return _rows_reference(vec, rows, weight, bias, table)
+
+
+def _register():
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return None, "Triton is not installed (the table's operator is a Triton kernel)"
+    namespace, _, op = OP_NAME.partition("::")
+    registered = getattr(getattr(torch.ops, namespace, None), op, None)
+    if registered is not None:  # this module imported again under another package name: the same operator
+        return registered, ""
+    try:
+        from torch.library import triton_op
+
+        return triton_op(OP_NAME, mutates_args=())(_rows_body), ""
+    except Exception as e:  # noqa: BLE001 -- an older or newer torch: the table is then refused, saying why
+        return None, f"torch {torch.__version__} could not register the {OP_NAME} operator ({type(e).__name__}: {e})"
+
+
+_OP, UNAVAILABLE = _register()
+
+
+def modulation_rows(vec: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    table: torch.Tensor) -> torch.Tensor:
+    """Linear(SiLU(vec)) of vec (B, D) as (B, N): row b copied from table[rows[b]] where rows[b] >= 0, else computed
+    from weight (N, D) and bias (N,)."""
+    if _OP is None:
+        raise RuntimeError(UNAVAILABLE)
+    return _OP(vec, rows, weight, bias, table)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def vector_lines(forward_orig) -> str:
+    """The lines of a FLUX forward_orig that make `vec` (from the time embedding to the vector_in term), stripped;
+    '' where they cannot be read."""
+    try:
+        lines = [line.strip() for line in inspect.getsource(forward_orig).splitlines()]
+    except (OSError, TypeError):
+        return ""
+    first = next((i for i, line in enumerate(lines) if line.startswith(_VEC_FIRST)), None)
+    last = next((i for i, line in enumerate(lines) if line.startswith(_VEC_LAST)), None)
+    return "\n".join(lines[first:last + 1]) if first is not None and last is not None and last > first else ""
+
+
+def why_not(dm: torch.nn.Module) -> str:
+    """'' if the table can stand in for this diffusion model's block modulations, else why not (in words)."""
+    if _OP is None:
+        return UNAVAILABLE
+    mods = modulations(dm)
+    if not mods or not all(hasattr(dm, a) for a in ("time_in", "vector_in", "guidance_in", "params")):
+        return f"{type(dm).__name__} has no FLUX.1 per-block modulations (FLUX.2 and Chroma modulate otherwise)"
+    cls = type(mods[0][1])
+    try:
+        digest = _digest(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError):
+        digest = ""
+    if digest not in KNOWN_MODULATION:
+        return f"{cls.__module__}.{cls.__qualname__}.forward is not a modulation forward FluxAccel has read"
+    forward_orig = getattr(type(dm), "forward_orig", None)
+    if _digest(vector_lines(forward_orig)) not in KNOWN_VECTOR:
+        return f"{type(dm).__module__}.{type(dm).__qualname__}.forward_orig makes its vector in a way FluxAccel has not read"
+    out_cls, embedding = cls.forward.__globals__.get("ModulationOut"), forward_orig.__globals__.get("timestep_embedding")
+    if out_cls is None or not callable(embedding):
+        return f"{cls.__module__} has no ModulationOut, or {type(dm).__module__} no timestep_embedding"
+    _FUNCTIONS["timestep_embedding"] = embedding
+    return ""
+
+
+def modulations(dm: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of every block modulation of a FLUX.1 model (double blocks' img_mod and txt_mod, single blocks'
+    modulation), as the live tree holds them."""
+    out = []
+    for i, block in enumerate(getattr(dm, "double_blocks", ()) or ()):
+        out += [(f"double_blocks.{i}.{a}", getattr(block, a, None)) for a in ("img_mod", "txt_mod")]
+    for i, block in enumerate(getattr(dm, "single_blocks", ()) or ()):
+        out.append((f"single_blocks.{i}.modulation", getattr(block, "modulation", None)))
+    return out if out and all(m is not None and hasattr(m, "lin") for _, m in out) else []
+
+
+class TableModulation(torch.nn.Module):
+    """Stands in for one of ComfyUI's block Modulations: its forward, with the Linear through the table's operator.
+    `values` (a buffer: it moves with the model) holds the table's outputs of this Linear; `_table` (not a module)
+    the rows of the call running."""
+
+    def __init__(self, original: torch.nn.Module, table: "ModTable", device: torch.device):
+        super().__init__()
+        self.lin, self.is_double, self.multiplier = original.lin, original.is_double, original.multiplier
+        n = self.lin.weight.shape[0]
+        self.register_buffer("values", torch.zeros(CAPACITY, n, dtype=self.lin.weight.dtype, device=device),
+                             persistent=False)
+        object.__setattr__(self, "_table", table)
+        object.__setattr__(self, "_record", type(original).forward.__globals__["ModulationOut"])
+
+    def forward(self, vec: torch.Tensor) -> tuple:
+        if vec.ndim == 2:
+            vec = vec[:, None, :]
+        if vec.shape[1] != 1 or vec.shape[0] > MAX_BATCH:  # a modulation per token: the Linear as ComfyUI calls it
+            out = self.lin(torch.nn.functional.silu(vec))
+        else:
+            out = modulation_rows(vec[:, 0], self._table.rows, self.lin.weight, self.lin.bias, self.values)[:, None]
+        out = out.chunk(self.multiplier, dim=-1)
+        return self._record(*out[:3]), self._record(*out[3:]) if self.is_double else None
+
+
+def vectors(dm: torch.nn.Module, timesteps: torch.Tensor, y: torch.Tensor | None, guidance: torch.Tensor | None,
+            dtype: torch.dtype) -> torch.Tensor:
+    """FLUX.1's `vec` for rows of (timestep, y, guidance), as forward_orig's vector lines make it (why_not() read them)."""
+    embedding = _FUNCTIONS["timestep_embedding"]
+    vec = dm.time_in(embedding(timesteps, 256).to(dtype))
+    if dm.params.guidance_embed and guidance is not None:
+        vec = vec + dm.guidance_in(embedding(guidance, 256).to(dtype))
+    if dm.vector_in is not None:
+        if y is None:
+            y = torch.zeros((timesteps.shape[0], dm.params.vec_in_dim), device=timesteps.device, dtype=dtype)
+        vec = vec + dm.vector_in(y[:, :dm.params.vec_in_dim])
+    return vec
+
+
+class ModTable:
+    """The keys, the rows of the call running and the counters of one compiled model's modulation table (its values
+    are in the TableModulations, `modules`). `timestep_of`: sigma -> the timestep the diffusion model gets."""
+
+    def __init__(self, timestep_of, y_width: int, device: torch.device):
+        self.timestep_of, self.y_width, self.modules = timestep_of, y_width, []
+        nan = float("nan")  # equal to nothing: a key row not filled never matches
+        self.t_keys = torch.full((CAPACITY,), nan, device=device)
+        self.g_keys = torch.full((CAPACITY,), nan, device=device)
+        self.y_keys = torch.full((CAPACITY, y_width), nan, device=device)
+        self.rows = torch.full((MAX_BATCH,), -1, dtype=torch.int32, device=device)
+        self.hits = torch.zeros((), dtype=torch.int64, device=device)  # rows matched (counted on the device)
+        self.looked, self.builds, self.build_s, self.short = 0, 0, 0.0, ""
+        self.run, self.layout = None, None  # the sample_sigmas the table holds, and its first call's batch layout
+
+    def prepare(self, dm, x: torch.Tensor, timestep: torch.Tensor, kwargs: dict, transformer_options: dict) -> bool:
+        """Before a call (host side): the table built at a sampling run's first call; whether this call can look rows
+        up (a run, and the batch layout of the run's first call)."""
+        y, guidance, batch = kwargs.get("y"), kwargs.get("guidance"), timestep.shape[0]
+        sigmas = transformer_options.get("sample_sigmas")
+        self.looked += batch
+        if sigmas is None or batch > MAX_BATCH or timestep.ndim != 1:
+            return False
+        layout = (batch, y is not None, guidance is not None and bool(dm.params.guidance_embed))
+        if sigmas is not self.run:
+            self._build(dm, x.dtype, sigmas, batch, y, guidance if layout[2] else None)
+            self.run, self.layout = sigmas, layout
+        return layout == self.layout
+
+    @torch.no_grad()
+    def _build(self, dm, dtype: torch.dtype, sigmas: torch.Tensor, batch: int, y, guidance) -> None:
+        t0 = time.perf_counter()
+        ts = self.timestep_of(sigmas.to(self.t_keys.device)).float().flatten()
+        steps = min(ts.shape[0], CAPACITY // batch)
+        self.short = "" if steps == ts.shape[0] else \
+            f"the table holds {steps} of the run's {ts.shape[0]} sigmas at batch {batch}; the rest are computed"
+        if self.short:
+            log.info("FluxAccel: modulation table: %s", self.short)
+        n = steps * batch
+        t = ts[:steps].repeat_interleave(batch)  # row r: sigma r // batch, batch entry r % batch
+        y_rows = None if y is None else y[:, :self.y_width].repeat(steps, 1)
+        g_rows = None if guidance is None else guidance.float().flatten().repeat(steps)
+        s = torch.nn.functional.silu(vectors(dm, t, y_rows, g_rows, dtype))
+        for m in self.modules:  # one GEMM of n rows per modulation: its weights read once for the whole run
+            m.values[:n] = m.lin(s)
+        for keys, rows in ((self.t_keys, t), (self.g_keys, g_rows), (self.y_keys, y_rows)):
+            keys.fill_(float("nan"))
+            if rows is not None:
+                keys[:n] = rows.float()
+            elif keys is not self.t_keys:
+                keys[:n] = 0.0  # not part of this run's calls: matched against 0 where the call passes nothing
+        self.builds += 1
+        self.build_s += time.perf_counter() - t0
+
+    def match(self, timestep: torch.Tensor, kwargs: dict) -> None:
+        """Each batch entry's table row (or -1) into `rows`, on the device (a CUDA graph replays it)."""
+        eq = timestep.float()[:, None] == self.t_keys[None]
+        guidance, y = kwargs.get("guidance"), kwargs.get("y")
+        if guidance is not None and self.layout[2]:
+            eq &= guidance.float().flatten()[:, None] == self.g_keys[None]
+        if y is not None:
+            eq &= (y[:, :self.y_width].float()[:, None, :] == self.y_keys[None]).all(-1)
+        hit = eq.any(1)
+        self.rows[:eq.shape[0]] = torch.where(hit, eq.to(torch.int32).argmax(1), -1).to(torch.int32)
+        self.hits += hit.sum()
+
+    def around(self, fn, used: bool):
+        """fn with its call's rows looked up first (where `used`) and -1 again after it."""
+        if not used:
+            return fn
+
+        def call(x, timestep, **kwargs):
+            self.match(timestep, kwargs)
+            try:
+                return fn(x, timestep, **kwargs)
+            finally:
+                self.rows.fill_(-1)
+
+        return call
+
+    def counts(self) -> dict:
+        """The stats' figures (reads the device's counter)."""
+        hits = int(self.hits.item())
+        return {"rows_from_table": hits, "rows_computed": self.looked - hits, "builds": self.builds,
+                "build_s": round(self.build_s, 3), "capacity_rows": CAPACITY, "short": self.short}
+
+
+def install(clone, model, dm: torch.nn.Module, device: torch.device, node: str) -> ModTable:
+    """A table for `clone` (a clone of `model` the Compile node made): each block modulation swapped for a
+    TableModulation through an object patch (the input model and other branches keep ComfyUI's). Refused, naming
+    what to change, where the table cannot stand in for the modulations."""
+    refuse = f"{node}: modulation_table cannot run on this model: "
+    why = why_not(dm)
+    if why:
+        raise FluxAccelError(f"{refuse}{why}. Turn modulation_table off.")
+    keys = [f"diffusion_model.{name}" for name, _ in modulations(dm)]
+    fp8 = sorted(k for k in model.object_patches if any(k.startswith(f"{p}.") for p in keys))
+    if fp8:
+        raise FluxAccelError(f"{refuse}Quantize FP8 quantized its modulation weights ({fp8[0]}, ...; scope "
+                             f"'blocks+modulation'). Set Quantize FP8's scope to 'blocks', or turn modulation_table off.")
+    patched = sorted(k for k in getattr(model, "patches", {}) if any(k.startswith(f"{p}.") for p in keys))
+    if patched:
+        raise FluxAccelError(f"{refuse}weight patches (a LoRA) change its modulation weights ({patched[0]}, ...), "
+                             f"which the table reads as they are stored. Turn modulation_table off for this model.")
+    sampling = getattr(getattr(model, "model", None), "model_sampling", None)
+    if not callable(getattr(sampling, "timestep", None)):
+        raise FluxAccelError(f"{refuse}its model has no model_sampling.timestep (sigma to timestep). Turn "
+                             f"modulation_table off.")
+    table = ModTable(sampling.timestep, dm.params.vec_in_dim, device)
+    for (_, live), key in zip(modulations(dm), keys):
+        original = model.object_patches_backup.get(key, live)  # where another clone's table is in the tree now
+        weight = original.lin.weight
+        if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) or \
+                getattr(original.lin, "weight_function", None) or getattr(original.lin, "bias_function", None):
+            raise FluxAccelError(f"{refuse}{key}.lin holds {weight.dtype} weights or changes them per call; the table "
+                                 f"needs them in the compute dtype. Turn modulation_table off.")
+        m = TableModulation(original, table, device)
+        table.modules.append(m)
+        clone.add_object_patch(key, m)
+    return table

@@ -1,0 +1,160 @@
+"""core/compile/mod_table.py: every block modulation computed once per sampling run and looked up at each call, on
+ComfyUI's own FLUX blocks and sampler (tiny FLUX, CPU; the Triton kernel in Triton's interpreter).
+
+What is checked: the operator copies matched rows and computes the others as ComfyUI's Linear does; the table is
+recognised by the source it reads (ComfyUI 0.33.0's), and refused with what to do where it cannot stand in; whole
+sampling runs through the compiled model equal the uncompiled model's in float32, with every euler call's rows
+looked up (counted), a sampler's midpoint calls computed, and no compile beyond the first; the input model keeps
+ComfyUI's modulations.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import comfy.ldm.flux.layers as flux_layers
+import pytest
+import torch
+
+from conftest import COMFY_VERSION
+from fluxaccel.core.bench.metrics import rel_err
+from fluxaccel.core.compile import mod_table
+from fluxaccel.core.compile.config import CompileConfig
+from fluxaccel.core.compile.patch import apply_compile
+from fluxaccel.core.errors import FluxAccelError
+from fluxaccel.core.quant.fp8 import Fp8Config
+from fluxaccel.core.quant.patch import apply_fp8
+from support.models import build_flux
+from support.runs import clear_compile_counters, compiled_graphs
+from support.runs import sample as _sample
+from support.shapes import TINY_FLUX2
+
+ROOT = Path(__file__).resolve().parents[3]
+READ = COMFY_VERSION == "0.33.0"  # the ComfyUI whose modulation and vector lines the table reads
+needs_read = pytest.mark.skipif(not READ, reason=f"the table reads ComfyUI 0.33.0's source; this is {COMFY_VERSION}")
+
+
+def _operands(seed=0, b=3, d=40, n=24, rows=(1, -1, 0)):
+    g = torch.Generator().manual_seed(seed)
+    vec = torch.randn(b, d, generator=g).bfloat16()
+    weight, bias = torch.randn(n, d, generator=g).bfloat16() / 8, torch.randn(n, generator=g).bfloat16()
+    table = torch.randn(4, n, generator=g).bfloat16()
+    r = torch.full((mod_table.MAX_BATCH,), -1, dtype=torch.int32)
+    r[:b] = torch.tensor(rows, dtype=torch.int32)
+    return vec, r, weight, bias, table
+
+
+def test_operator_copies_matched_rows_and_computes_the_others():
+    vec, rows, weight, bias, table = _operands()
+    out = mod_table.modulation_rows(vec, rows, weight, bias, table)
+    computed = torch.nn.functional.linear(torch.nn.functional.silu(vec), weight, bias)
+    assert torch.equal(out[0], table[1]) and torch.equal(out[2], table[0])
+    assert torch.equal(out[1], computed[1])
+    compiled = torch.compile(mod_table.modulation_rows, dynamic=False)(vec, rows, weight, None, table)
+    assert torch.equal(compiled[1], torch.nn.functional.linear(torch.nn.functional.silu(vec), weight)[1])
+    assert torch.equal(compiled[0], table[1])
+
+
+_INTERPRETED = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from tools.plugin import register
+register()
+from fluxaccel.core.compile import mod_table
+from fluxaccel.core.compile.mod_table_kernel import modulation_rows_kernel
+g = torch.Generator().manual_seed(1)
+vec = torch.randn(3, 100, generator=g).bfloat16()
+weight, bias = (torch.randn(300, 100, generator=g) / 8).bfloat16(), torch.randn(300, generator=g).bfloat16()
+table = torch.randn(5, 300, generator=g).bfloat16()
+rows = torch.tensor([4, -1, 0] + [-1] * 13, dtype=torch.int32)
+out = torch.empty(3, 300, dtype=torch.float32)  # float32: the kernel's values before their rounding to bf16
+modulation_rows_kernel[(3, 3)](vec, rows, weight, bias, table, out, 300, 100, vec.stride(0), weight.stride(0),
+                               table.stride(0), out.stride(0), HAS_BIAS=True, BLOCK_N=128, BLOCK_D=64)
+ref = torch.nn.functional.linear(torch.nn.functional.silu(vec).float(), weight.float(), bias.float())
+print({"copied": bool(torch.equal(out[0], table[4].float()) and torch.equal(out[2], table[0].float())),
+       "computed": float(((out[1] - ref[1]).abs() / ref[1].abs().clamp(min=1)).max())})
+"""
+
+
+def test_the_triton_kernel_in_tritons_interpreter(tmp_path):
+    """The GPU kernel by Triton's CPU interpreter: matched rows copied exactly, the unmatched row SiLU x weights +
+    bias (across three column blocks and two D blocks, both ragged) within the interpreter's bf16 truncation."""
+    pytest.importorskip("triton")
+    script = tmp_path / "interpreted.py"
+    script.write_text(_INTERPRETED)
+    done = subprocess.run([sys.executable, str(script), str(ROOT)], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = eval(done.stdout.strip().splitlines()[-1])  # noqa: S307  (our own script's printed dict)
+    assert result["copied"] and result["computed"] < 2 ** -6, result
+
+
+@needs_read
+def test_the_source_it_reads_is_known_and_another_is_named(tiny_flux, monkeypatch):
+    dm = tiny_flux.model.diffusion_model
+    assert mod_table.why_not(dm) == ""
+    assert mod_table.why_not(build_flux(TINY_FLUX2).model.diffusion_model).startswith("Flux has no FLUX.1")
+    monkeypatch.setattr(mod_table, "KNOWN_VECTOR", {})
+    assert "forward_orig makes its vector in a way FluxAccel has not read" in mod_table.why_not(dm)
+    monkeypatch.setattr(mod_table, "KNOWN_MODULATION", {})
+    with pytest.raises(FluxAccelError, match=r"modulation_table cannot run on this model: comfy\.ldm\.flux\.layers\."
+                                             r"Modulation\.forward is not a modulation forward.*Turn modulation_table"):
+        apply_compile(tiny_flux, CompileConfig(modulation_table=True))
+
+
+@needs_read
+def test_refused_with_fp8_modulation_weights_or_a_lora_on_them(tiny_flux, cpu_fp8):
+    fp8 = apply_fp8(tiny_flux, Fp8Config(scope="blocks+modulation", layout="plain"))[0]
+    with pytest.raises(FluxAccelError, match=r"quantized its modulation weights.*scope to 'blocks'"):
+        apply_compile(fp8, CompileConfig(modulation_table=True))
+    blocks = apply_fp8(tiny_flux, Fp8Config(scope="blocks", layout="plain"))[0]
+    assert apply_compile(blocks, CompileConfig(modulation_table=True))[1].runner.mod_table is not None
+    lora = tiny_flux.clone()
+    key = "diffusion_model.double_blocks.0.img_mod.lin.weight"
+    lora.add_patches({key: (torch.zeros_like(tiny_flux.model.diffusion_model.double_blocks[0].img_mod.lin.weight),)})
+    with pytest.raises(FluxAccelError, match=r"weight patches \(a LoRA\).*double_blocks\.0\.img_mod\.lin\.weight"):
+        apply_compile(lora, CompileConfig(modulation_table=True))
+
+
+@needs_read
+def test_sampling_runs_look_up_every_euler_call_and_equal_the_uncompiled_model():
+    """float32 (compare whole runs): euler's calls are all looked up (one row per batch entry and step, counted on
+    the device), dpm_2's midpoint calls computed; each run equals the uncompiled model's; a second run builds its
+    own table and compiles nothing new; the input model keeps ComfyUI's Modulations."""
+    clear_compile_counters()
+    torch._dynamo.reset()
+    base = build_flux("tiny", dtype=torch.float32)
+    model, compiled = apply_compile(base, CompileConfig(resolution_policy="recompile", modulation_table=True))
+    table = compiled.runner.mod_table
+    assert isinstance(model.object_patches["diffusion_model.single_blocks.1.modulation"], mod_table.TableModulation)
+    assert not any(isinstance(v, mod_table.TableModulation) for v in base.object_patches.values())
+
+    assert rel_err(_sample(model, seed=1, steps=3), _sample(base, seed=1, steps=3)) < 1e-4
+    assert table.counts() | {"build_s": 0} == {"rows_from_table": 3, "rows_computed": 0, "builds": 1, "build_s": 0,
+                                               "capacity_rows": mod_table.CAPACITY, "short": ""}
+    graphs = compiled_graphs()
+    assert rel_err(_sample(model, seed=2, steps=3, text_seed=4), _sample(base, seed=2, steps=3, text_seed=4)) < 1e-4
+    assert table.counts()["rows_from_table"] == 6 and table.builds == 2 and compiled_graphs() == graphs
+    # cfg 2: cond and uncond in one call (batch 2), two rows per step; dpm_2 also calls at midpoints: computed
+    assert rel_err(_sample(model, seed=3, steps=2, cfg=2.0), _sample(base, seed=3, steps=2, cfg=2.0)) < 1e-4
+    assert table.counts()["rows_from_table"] == 10 and table.counts()["rows_computed"] == 0
+    out, ref = _sample(model, seed=3, steps=3, sampler="dpm_2"), _sample(base, seed=3, steps=3, sampler="dpm_2")
+    assert rel_err(out, ref) < 1e-4
+    counts = table.counts()
+    assert counts["rows_from_table"] == 10 + 3 and counts["rows_computed"] == 2, counts  # 2 midpoints, 3 sigmas
+    assert torch.equal(table.rows, torch.full_like(table.rows, -1)), "rows are -1 between calls"
+
+
+@needs_read
+def test_a_table_shorter_than_the_run_says_so_and_computes_the_rest(monkeypatch):
+    monkeypatch.setattr(mod_table, "CAPACITY", 2)
+    base = build_flux("tiny", dtype=torch.float32)
+    model, compiled = apply_compile(base, CompileConfig(modulation_table=True))
+    assert rel_err(_sample(model, seed=1, steps=3), _sample(base, seed=1, steps=3)) < 1e-4
+    counts = compiled.runner.mod_table.counts()
+    assert counts["rows_from_table"] == 2 and counts["rows_computed"] == 1
+    assert counts["short"] == "the table holds 2 of the run's 4 sigmas at batch 1; the rest are computed"
+
+
+def test_the_modulation_it_stands_in_for_is_comfyuis(tiny_flux):
+    assert all(type(m) is flux_layers.Modulation for _, m in mod_table.modulations(tiny_flux.model.diffusion_model))
