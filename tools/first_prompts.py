@@ -73,6 +73,9 @@ CONFIGS = {
     "single-concat": fluxaccel(single_blocks="comfyui"),
     "tuned": fluxaccel(mode="tuned-kernels"),
     "fp8attn": fluxaccel(attention="fp8"),
+    # every block modulation computed once per prompt for all of the sampler's sigmas (Compile's modulation_table)
+    "modtable": fluxaccel(modulation_table=True),
+    "fp8attn-modtable": fluxaccel(attention="fp8", modulation_table=True),
     # the per-step levers together: coordinate-descent tuning and FP8 attention, then FP8 modulation weights too
     "tuned-fp8attn": fluxaccel(mode="tuned-kernels", attention="fp8"),
     "mod-tuned-fp8attn": fluxaccel({"scope": "blocks+modulation"}, mode="tuned-kernels", attention="fp8"),

@@ -166,6 +166,7 @@ class TableModulation(torch.nn.Module):
         self.register_buffer("values", torch.zeros(CAPACITY, n, dtype=self.lin.weight.dtype, device=device),
                              persistent=False)
         object.__setattr__(self, "_table", table)
+        self.cache_tag = f"modulation_table rows={CAPACITY} batch={MAX_BATCH}"  # the compiled graph's shapes (patch.py)
         object.__setattr__(self, "_record", type(original).forward.__globals__["ModulationOut"])
 
     def forward(self, vec: torch.Tensor) -> tuple:
@@ -213,13 +214,14 @@ class ModTable:
         up (a run, and the batch layout of the run's first call)."""
         y, guidance, batch = kwargs.get("y"), kwargs.get("guidance"), timestep.shape[0]
         sigmas = transformer_options.get("sample_sigmas")
-        self.looked += batch
         if sigmas is None or batch > MAX_BATCH or timestep.ndim != 1:
+            self.looked += batch
             return False
         layout = (batch, y is not None, guidance is not None and bool(dm.params.guidance_embed))
         if sigmas is not self.run:
             self._build(dm, x.dtype, sigmas, batch, y, guidance if layout[2] else None)
             self.run, self.layout = sigmas, layout
+        self.looked += batch
         return layout == self.layout
 
     @torch.no_grad()
@@ -246,6 +248,13 @@ class ModTable:
                 keys[:n] = 0.0  # not part of this run's calls: matched against 0 where the call passes nothing
         self.builds += 1
         self.build_s += time.perf_counter() - t0
+        log.info("FluxAccel: modulation table built for %d rows (%d sigmas x batch %d) in %.1f ms (host); so far %d "
+                 "rows looked up, %d computed", n, steps, batch, 1e3 * (time.perf_counter() - t0),
+                 *self._so_far())
+
+    def _so_far(self) -> tuple[int, int]:
+        hits = int(self.hits.item())  # waits for the GPU: once per sampling run, at its first call
+        return hits, self.looked - hits
 
     def match(self, timestep: torch.Tensor, kwargs: dict) -> None:
         """Each batch entry's table row (or -1) into `rows`, on the device (a CUDA graph replays it)."""
@@ -275,8 +284,8 @@ class ModTable:
 
     def counts(self) -> dict:
         """The stats' figures (reads the device's counter)."""
-        hits = int(self.hits.item())
-        return {"rows_from_table": hits, "rows_computed": self.looked - hits, "builds": self.builds,
+        hits, computed = self._so_far()
+        return {"rows_from_table": hits, "rows_computed": computed, "builds": self.builds,
                 "build_s": round(self.build_s, 3), "capacity_rows": CAPACITY, "short": self.short}
 
 

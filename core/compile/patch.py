@@ -157,7 +157,8 @@ def model_variant(model) -> str:
     if st and static_scales_state(model):  # the activations' quantization is another graph (the scales are inputs)
         fp8 = [*fp8, "static-activation-scales"]
     swapped = sorted(k for k, v in model.object_patches.items() if isinstance(v, torch.nn.Module))
-    return repr((fp8, swapped))
+    tags = sorted({v.cache_tag for v in model.object_patches.values() if isinstance(getattr(v, "cache_tag", None), str)})
+    return repr((fp8, swapped, *([tags] if tags else [])))
 
 
 def model_layout(model) -> str:
