@@ -209,6 +209,12 @@ class ModTable:
         self.looked, self.builds, self.build_s, self.short = 0, 0, 0.0, ""
         self.run, self.layout = None, None  # the sample_sigmas the table holds, and its first call's batch layout
 
+    def __getstate__(self) -> dict:
+        """Pickled (a separate compile process rebuilds the model from its skeleton) without the sigma-to-timestep
+        function (the model's sampling object, which may be a class made inside a function) and the run: another
+        process compiles the call, it builds no table."""
+        return {**self.__dict__, "timestep_of": None, "run": None}
+
     def prepare(self, dm, x: torch.Tensor, timestep: torch.Tensor, kwargs: dict, transformer_options: dict) -> bool:
         """Before a call (host side): the table built at a sampling run's first call; whether this call can look rows
         up (a run, and the batch layout of the run's first call)."""

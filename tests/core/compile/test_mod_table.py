@@ -158,3 +158,23 @@ def test_a_table_shorter_than_the_run_says_so_and_computes_the_rest(monkeypatch)
 
 def test_the_modulation_it_stands_in_for_is_comfyuis(tiny_flux):
     assert all(type(m) is flux_layers.Modulation for _, m in mod_table.modulations(tiny_flux.model.diffusion_model))
+
+
+@needs_read
+def test_the_model_with_its_table_rebuilds_in_another_process_from_its_skeleton(tiny_flux):
+    """What a separate compile process gets: the module tree with the table's modules and keys by layout; the
+    sigma-to-timestep function (ComfyUI's model_sampling, a class made inside a function) is left out."""
+    from fluxaccel.core.compile import skeleton
+
+    model, compiled = apply_compile(tiny_flux, CompileConfig(modulation_table=True))
+    model.patch_model()
+    try:
+        blob, _ = skeleton.dumps(model.model.diffusion_model)
+    finally:
+        model.unpatch_model()
+    back = skeleton.loads(blob, "cpu")
+    m = back.double_blocks[1].txt_mod
+    assert isinstance(m, mod_table.TableModulation) and m._table is back.single_blocks[0].modulation._table
+    assert m._table.timestep_of is None and tuple(m._table.rows.shape) == (mod_table.MAX_BATCH,)
+    assert tuple(m.values.shape) == (mod_table.CAPACITY, 6 * 256)
+    assert callable(compiled.runner.mod_table.timestep_of), "the model's own table keeps its function"
