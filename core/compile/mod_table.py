@@ -223,17 +223,22 @@ class ModTable:
         if sigmas is None or batch > MAX_BATCH or timestep.ndim != 1:
             self.looked += batch
             return False
-        layout = (batch, y is not None, guidance is not None and bool(dm.params.guidance_embed))
+        # the call's batch and its inputs' dtypes (None: not passed, or not read)
+        layout = (batch, None if y is None else y.dtype,
+                  guidance.dtype if guidance is not None and dm.params.guidance_embed else None)
         if sigmas is not self.run:
-            self._build(dm, x.dtype, sigmas, batch, y, guidance if layout[2] else None)
+            self._build(dm, (x.dtype, timestep.dtype), sigmas, batch, y, guidance if layout[2] else None)
             self.run, self.layout = sigmas, layout
         self.looked += batch
         return layout == self.layout
 
     @torch.no_grad()
-    def _build(self, dm, dtype: torch.dtype, sigmas: torch.Tensor, batch: int, y, guidance) -> None:
+    def _build(self, dm, dtypes: tuple, sigmas: torch.Tensor, batch: int, y, guidance) -> None:
+        """The keys and values of a run. Each input keeps the dtype the call gets it in (ComfyUI casts the guidance
+        to the model's dtype, and FLUX's embedding multiplies it by 1000 in that dtype: 3.5 gives 3504 in bf16)."""
         t0 = time.perf_counter()
-        ts = self.timestep_of(sigmas.to(self.t_keys.device)).float().flatten()
+        dtype, t_dtype = dtypes  # the model's (the latent's) and the timestep's
+        ts = self.timestep_of(sigmas.to(self.t_keys.device)).float().to(t_dtype).flatten()
         steps = min(ts.shape[0], CAPACITY // batch)
         self.short = "" if steps == ts.shape[0] else \
             f"the table holds {steps} of the run's {ts.shape[0]} sigmas at batch {batch}; the rest are computed"
@@ -242,7 +247,7 @@ class ModTable:
         n = steps * batch
         t = ts[:steps].repeat_interleave(batch)  # row r: sigma r // batch, batch entry r % batch
         y_rows = None if y is None else y[:, :self.y_width].repeat(steps, 1)
-        g_rows = None if guidance is None else guidance.float().flatten().repeat(steps)
+        g_rows = None if guidance is None else guidance.flatten().repeat(steps)
         s = torch.nn.functional.silu(vectors(dm, t, y_rows, g_rows, dtype))
         for m in self.modules:  # one GEMM of n rows per modulation: its weights read once for the whole run
             m.values[:n] = m.lin(s)
@@ -266,7 +271,7 @@ class ModTable:
         """Each batch entry's table row (or -1) into `rows`, on the device (a CUDA graph replays it)."""
         eq = timestep.float()[:, None] == self.t_keys[None]
         guidance, y = kwargs.get("guidance"), kwargs.get("y")
-        if guidance is not None and self.layout[2]:
+        if guidance is not None and self.layout[2] is not None:
             eq &= guidance.float().flatten()[:, None] == self.g_keys[None]
         if y is not None:
             eq &= (y[:, :self.y_width].float()[:, None, :] == self.y_keys[None]).all(-1)

@@ -178,3 +178,16 @@ def test_the_model_with_its_table_rebuilds_in_another_process_from_its_skeleton(
     assert m._table.timestep_of is None and tuple(m._table.rows.shape) == (mod_table.MAX_BATCH,)
     assert tuple(m.values.shape) == (mod_table.CAPACITY, 6 * 256)
     assert callable(compiled.runner.mod_table.timestep_of), "the model's own table keeps its function"
+
+
+@needs_read
+def test_bf16_the_table_computes_each_input_in_the_dtype_the_call_gets_it_in():
+    """bf16: ComfyUI casts the guidance to the model's dtype before FLUX embeds it (x 1000: 3504 for 3.5 in bf16),
+    so the table embeds it in that dtype too. Sampling with the table equals sampling without it, both compiled, to
+    the table GEMM's rounding."""
+    base = build_flux("tiny")
+    with_table = apply_compile(base, CompileConfig(modulation_table=True))
+    without = apply_compile(base, CompileConfig())[0]
+    out, ref = _sample(with_table[0], seed=1, steps=2), _sample(without, seed=1, steps=2)
+    assert with_table[1].runner.mod_table.counts()["rows_from_table"] == 2
+    assert rel_err(out, ref) < 1e-2, rel_err(out, ref)  # 0.0034 here; 0.23 with the guidance embedded in float32
