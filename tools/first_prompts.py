@@ -73,9 +73,12 @@ CONFIGS = {
     "single-concat": fluxaccel(single_blocks="comfyui"),
     "tuned": fluxaccel(mode="tuned-kernels"),
     "fp8attn": fluxaccel(attention="fp8"),
-    # every block modulation computed once per prompt for all of the sampler's sigmas (Compile's modulation_table)
-    "modtable": fluxaccel(modulation_table=True),
-    "fp8attn-modtable": fluxaccel(attention="fp8", modulation_table=True),
+    # every block modulation computed once per prompt for all of the sampler's sigmas (Compile's modulation_table,
+    # "auto" by default: on for FLUX.1), and the default and attention fp8 without it
+    "modtable": fluxaccel(modulation_table="on"),
+    "fp8attn-modtable": fluxaccel(attention="fp8", modulation_table="on"),
+    "fluxaccel-notable": fluxaccel(modulation_table="off"),
+    "fp8attn-notable": fluxaccel(attention="fp8", modulation_table="off"),
     # the per-step levers together: coordinate-descent tuning and FP8 attention, then FP8 modulation weights too
     "tuned-fp8attn": fluxaccel(mode="tuned-kernels", attention="fp8"),
     "mod-tuned-fp8attn": fluxaccel({"scope": "blocks+modulation"}, mode="tuned-kernels", attention="fp8"),

@@ -19,6 +19,7 @@ POLICIES: tuple[str, ...] = ("strict", "recompile", "eager_fallback")
 ATTENTIONS: tuple[str, ...] = ("cudnn", "fp8")  # fp8: FlashAttention-3's FP8 kernel (fp8_attention.py), opt-in
 SINGLE_BLOCKS: tuple[str, ...] = ("fluxaccel", "comfyui")  # whose single-block forward the regions run
 GRAPH_CAPTURES: tuple[str, ...] = ("auto", "inductor", "call")
+MODULATION_TABLES: tuple[str, ...] = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,8 @@ class CompileConfig:
     # (staging.py); off: ComfyUI's own blocking copy in every model call
     stage_inputs: bool = True
     # every block modulation computed once per prompt for all of the sampler's sigmas, looked up at each call
-    # (mod_table.py); off: each call computes them
-    modulation_table: bool = False
+    # (mod_table.py): "auto" where the model allows it (said where not), "on" (refused where not), "off"
+    modulation_table: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -63,6 +64,8 @@ class CompileConfig:
             raise FluxAccelError(f"single_blocks must be one of {SINGLE_BLOCKS}, got {self.single_blocks!r}")
         if self.graph_capture not in GRAPH_CAPTURES:
             raise FluxAccelError(f"graph_capture must be one of {GRAPH_CAPTURES}, got {self.graph_capture!r}")
+        if self.modulation_table not in MODULATION_TABLES:
+            raise FluxAccelError(f"modulation_table must be one of {MODULATION_TABLES}, got {self.modulation_table!r}")
         if self.captured and not self.block_regions:
             raise FluxAccelError("graph_capture 'call' compiles each kind of FLUX block on its own through the block "
                                  "table: turn block_regions on, or set graph_capture to 'inductor'")
@@ -100,8 +103,9 @@ class CompileConfig:
             else "a new shape compiles in its first call",
             "the sampler's CPU inputs copied to the GPU without waiting for it" if self.stage_inputs
             else "the sampler's CPU inputs copied by ComfyUI (the host waits for the GPU at every call)",
-            *(["block modulations computed once per prompt for all of the sampler's sigmas"]
-              if self.modulation_table else [])])
+            *(["block modulations computed once per prompt for all of the sampler's sigmas" +
+               (" where the model allows it" if self.modulation_table == "auto" else "")]
+              if self.modulation_table != "off" else [])])
 
     @property
     def captured(self) -> bool:

@@ -300,36 +300,37 @@ class ModTable:
                 "build_s": round(self.build_s, 3), "capacity_rows": CAPACITY, "short": self.short}
 
 
-def install(clone, model, dm: torch.nn.Module, device: torch.device, node: str) -> ModTable:
-    """A table for `clone` (a clone of `model` the Compile node made): each block modulation swapped for a
-    TableModulation through an object patch (the input model and other branches keep ComfyUI's). Refused, naming
-    what to change, where the table cannot stand in for the modulations."""
-    refuse = f"{node}: modulation_table cannot run on this model: "
+def why_not_here(model, dm: torch.nn.Module) -> str:
+    """'' if the table can stand in for this model's block modulations, else why not and what to change."""
     why = why_not(dm)
     if why:
-        raise FluxAccelError(f"{refuse}{why}. Turn modulation_table off.")
+        return why
     keys = [f"diffusion_model.{name}" for name, _ in modulations(dm)]
     fp8 = sorted(k for k in model.object_patches if any(k.startswith(f"{p}.") for p in keys))
     if fp8:
-        raise FluxAccelError(f"{refuse}Quantize FP8 quantized its modulation weights ({fp8[0]}, ...; scope "
-                             f"'blocks+modulation'). Set Quantize FP8's scope to 'blocks', or turn modulation_table off.")
+        return (f"Quantize FP8 quantized its modulation weights ({fp8[0]}, ...; scope 'blocks+modulation'); Quantize "
+                f"FP8's scope 'blocks' keeps them for the table")
     patched = sorted(k for k in getattr(model, "patches", {}) if any(k.startswith(f"{p}.") for p in keys))
     if patched:
-        raise FluxAccelError(f"{refuse}weight patches (a LoRA) change its modulation weights ({patched[0]}, ...), "
-                             f"which the table reads as they are stored. Turn modulation_table off for this model.")
-    sampling = getattr(getattr(model, "model", None), "model_sampling", None)
-    if not callable(getattr(sampling, "timestep", None)):
-        raise FluxAccelError(f"{refuse}its model has no model_sampling.timestep (sigma to timestep). Turn "
-                             f"modulation_table off.")
-    table = ModTable(sampling.timestep, dm.params.vec_in_dim, device)
-    for (_, live), key in zip(modulations(dm), keys):
-        original = model.object_patches_backup.get(key, live)  # where another clone's table is in the tree now
-        weight = original.lin.weight
-        if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) or \
-                getattr(original.lin, "weight_function", None) or getattr(original.lin, "bias_function", None):
-            raise FluxAccelError(f"{refuse}{key}.lin holds {weight.dtype} weights or changes them per call; the table "
-                                 f"needs them in the compute dtype. Turn modulation_table off.")
-        m = TableModulation(original, table, device)
+        return (f"weight patches (a LoRA) change its modulation weights ({patched[0]}, ...), which the table reads as "
+                f"they are stored")
+    if not callable(getattr(getattr(getattr(model, "model", None), "model_sampling", None), "timestep", None)):
+        return "its model has no model_sampling.timestep (sigma to timestep)"
+    for key, (_, live) in zip(keys, modulations(dm)):
+        lin = model.object_patches_backup.get(key, live).lin  # where another clone's table is in the tree now
+        if lin.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) or \
+                getattr(lin, "weight_function", None) or getattr(lin, "bias_function", None):
+            return f"{key}.lin holds {lin.weight.dtype} weights or changes them per call (the table needs them as stored)"
+    return ""
+
+
+def install(clone, model, dm: torch.nn.Module, device: torch.device) -> ModTable:
+    """A table for `clone` (a clone of `model` the Compile node made, why_not_here() ''): each block modulation
+    swapped for a TableModulation through an object patch (the input model and other branches keep ComfyUI's)."""
+    table = ModTable(model.model.model_sampling.timestep, dm.params.vec_in_dim, device)
+    for name, live in modulations(dm):
+        key = f"diffusion_model.{name}"
+        m = TableModulation(model.object_patches_backup.get(key, live), table, device)
         table.modules.append(m)
         clone.add_object_patch(key, m)
     return table

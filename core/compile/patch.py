@@ -97,6 +97,21 @@ def resolve_capture(cfg: CompileConfig, device: torch.device) -> tuple[CompileCo
     return dataclasses.replace(cfg, graph_capture="inductor"), ""
 
 
+def _table_under(cfg: CompileConfig, model, dm, node: str) -> tuple[CompileConfig, str]:
+    """(config, why the table is off): modulation_table "auto" made "on" where the model allows it and "off" (with
+    the reason) elsewhere; "on" where it cannot run is refused, naming what to change."""
+    if cfg.modulation_table == "off":
+        return cfg, ""
+    why = mod_table.why_not_here(model, dm)
+    if not why:
+        return dataclasses.replace(cfg, modulation_table="on"), ""
+    if cfg.modulation_table == "on":
+        raise FluxAccelError(f"{node}: modulation_table cannot run on this model: {why}. Set modulation_table to "
+                             f"'auto' or 'off'.")
+    log.info("FluxAccel: %s runs without the modulation table: %s", node, why)
+    return dataclasses.replace(cfg, modulation_table="off"), f"{why}; each call computes its modulations"
+
+
 def _graphs_under(cfg: CompileConfig, device: torch.device, node: str) -> tuple[CompileConfig, str]:
     """(config, why CUDA graphs are off or ""): graph_capture "call" where a C++ compiler is found (any allocator);
     inductor's graphs where its cudagraph trees can run; otherwise graphs off, said why and what to set. "auto" is
@@ -234,7 +249,8 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
         clone.remove_wrappers_with_key(wt, COMFY_COMPILE_KEY)
         clone.model_options.pop("torch_compile_kwargs", None)
     # the modulation table's modules swapped in on the clone (mod_table.py): part of the compiled graph's variant
-    table = mod_table.install(clone, model, dm, device, node) if cfg.modulation_table else None
+    cfg, table_off = _table_under(cfg, model, dm, node)
+    table = mod_table.install(clone, model, dm, device) if cfg.modulation_table == "on" else None
     compiled = CompiledFlux(dm, cfg, device, variant=model_variant(clone), layout=model_layout(model),
                             scale=latent_scale(model), references=profile(model).references, mod_table=table)
     compiled.stats.graphs_off_reason = graphs_off
@@ -242,6 +258,8 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
         compiled.stats.degrade("CUDA graphs", graphs_off)
     if regions_off:
         compiled.stats.degrade("block_regions", regions_off)
+    if table_off:
+        compiled.stats.degrade("modulation_table", table_off)
     _say_single_blocks_off(compiled, model, dm, node)
     clone.add_callback_with_key(on_load_callback_type(), COMPILE_KEY, partial_load_guard(node))
     return _install(clone, compiled)

@@ -98,22 +98,30 @@ def test_the_source_it_reads_is_known_and_another_is_named(tiny_flux, monkeypatc
     assert "forward_orig makes its vector in a way FluxAccel has not read" in mod_table.why_not(dm)
     monkeypatch.setattr(mod_table, "KNOWN_MODULATION", {})
     with pytest.raises(FluxAccelError, match=r"modulation_table cannot run on this model: comfy\.ldm\.flux\.layers\."
-                                             r"Modulation\.forward is not a modulation forward.*Turn modulation_table"):
-        apply_compile(tiny_flux, CompileConfig(modulation_table=True))
+                                             r"Modulation\.forward is not a modulation forward.*Set modulation_table to 'auto' or"):
+        apply_compile(tiny_flux, CompileConfig(modulation_table="on"))
 
 
 @needs_read
-def test_refused_with_fp8_modulation_weights_or_a_lora_on_them(tiny_flux, cpu_fp8):
+def test_on_is_refused_and_auto_is_off_and_says_why_with_fp8_modulation_weights_or_a_lora(tiny_flux, cpu_fp8):
     fp8 = apply_fp8(tiny_flux, Fp8Config(scope="blocks+modulation", layout="plain"))[0]
-    with pytest.raises(FluxAccelError, match=r"quantized its modulation weights.*scope to 'blocks'"):
-        apply_compile(fp8, CompileConfig(modulation_table=True))
+    with pytest.raises(FluxAccelError, match=r"quantized its modulation weights.*scope 'blocks' keeps them"):
+        apply_compile(fp8, CompileConfig(modulation_table="on"))
+    model, compiled = apply_compile(fp8, CompileConfig())  # "auto": off, said in the node's text and the stats
+    assert compiled.runner.mod_table is None and compiled.cfg.modulation_table == "off"
+    assert any(d.what == "modulation_table" and "scope 'blocks'" in d.why for d in compiled.stats.degradations)
+    assert not any(isinstance(v, mod_table.TableModulation) for v in model.object_patches.values())
     blocks = apply_fp8(tiny_flux, Fp8Config(scope="blocks", layout="plain"))[0]
-    assert apply_compile(blocks, CompileConfig(modulation_table=True))[1].runner.mod_table is not None
+    compiled = apply_compile(blocks, CompileConfig())[1]  # "auto" where it can run: on
+    assert compiled.runner.mod_table is not None and compiled.cfg.modulation_table == "on"
+    assert not compiled.stats.degradations
     lora = tiny_flux.clone()
     key = "diffusion_model.double_blocks.0.img_mod.lin.weight"
     lora.add_patches({key: (torch.zeros_like(tiny_flux.model.diffusion_model.double_blocks[0].img_mod.lin.weight),)})
     with pytest.raises(FluxAccelError, match=r"weight patches \(a LoRA\).*double_blocks\.0\.img_mod\.lin\.weight"):
-        apply_compile(lora, CompileConfig(modulation_table=True))
+        apply_compile(lora, CompileConfig(modulation_table="on"))
+    assert apply_compile(lora, CompileConfig())[1].runner.mod_table is None
+    assert apply_compile(tiny_flux, CompileConfig(modulation_table="off"))[1].runner.mod_table is None
 
 
 @needs_read
@@ -124,7 +132,7 @@ def test_sampling_runs_look_up_every_euler_call_and_equal_the_uncompiled_model()
     clear_compile_counters()
     torch._dynamo.reset()
     base = build_flux("tiny", dtype=torch.float32)
-    model, compiled = apply_compile(base, CompileConfig(resolution_policy="recompile", modulation_table=True))
+    model, compiled = apply_compile(base, CompileConfig(resolution_policy="recompile", modulation_table="on"))
     table = compiled.runner.mod_table
     assert isinstance(model.object_patches["diffusion_model.single_blocks.1.modulation"], mod_table.TableModulation)
     assert not any(isinstance(v, mod_table.TableModulation) for v in base.object_patches.values())
@@ -149,7 +157,7 @@ def test_sampling_runs_look_up_every_euler_call_and_equal_the_uncompiled_model()
 def test_a_table_shorter_than_the_run_says_so_and_computes_the_rest(monkeypatch):
     monkeypatch.setattr(mod_table, "CAPACITY", 2)
     base = build_flux("tiny", dtype=torch.float32)
-    model, compiled = apply_compile(base, CompileConfig(modulation_table=True))
+    model, compiled = apply_compile(base, CompileConfig(modulation_table="on"))
     assert rel_err(_sample(model, seed=1, steps=3), _sample(base, seed=1, steps=3)) < 1e-4
     counts = compiled.runner.mod_table.counts()
     assert counts["rows_from_table"] == 2 and counts["rows_computed"] == 1
@@ -166,7 +174,7 @@ def test_the_model_with_its_table_rebuilds_in_another_process_from_its_skeleton(
     sigma-to-timestep function (ComfyUI's model_sampling, a class made inside a function) is left out."""
     from fluxaccel.core.compile import skeleton
 
-    model, compiled = apply_compile(tiny_flux, CompileConfig(modulation_table=True))
+    model, compiled = apply_compile(tiny_flux, CompileConfig(modulation_table="on"))
     model.patch_model()
     try:
         blob, _ = skeleton.dumps(model.model.diffusion_model)
@@ -186,7 +194,7 @@ def test_bf16_the_table_computes_each_input_in_the_dtype_the_call_gets_it_in():
     so the table embeds it in that dtype too. Sampling with the table equals sampling without it, both compiled, to
     the table GEMM's rounding."""
     base = build_flux("tiny")
-    with_table = apply_compile(base, CompileConfig(modulation_table=True))
+    with_table = apply_compile(base, CompileConfig(modulation_table="on"))
     without = apply_compile(base, CompileConfig())[0]
     out, ref = _sample(with_table[0], seed=1, steps=2), _sample(without, seed=1, steps=2)
     assert with_table[1].runner.mod_table.counts()["rows_from_table"] == 2
