@@ -86,7 +86,7 @@ class Compile(io.ComfyNode):
                                tooltip="FLUX.1: compute every block's modulation (shift, scale, gate) once per "
                                        "prompt for all of the sampler's sigmas and look it up at each step, instead "
                                        "of reading all modulation weights at every step (FLUX.1-dev: 6.4 GB per step; "
-                                       "H200 1024² 28 steps: 22-34 ms less per prompt, 55-58 ms with attention fp8). "
+                                       "H200 1024² 28 steps: 22-41 ms less per prompt, 55-58 ms with attention fp8). "
                                        "Holds 64 rows on the GPU (FLUX.1-dev: 134 MB). A call at another sigma "
                                        "computes its own (counted in the stats). auto: on where the model allows it "
                                        "(not with FP8 modulation weights or a LoRA on them; said here); on: refused "
