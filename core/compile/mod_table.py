@@ -154,6 +154,11 @@ def modulations(dm: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return out if out and all(m is not None and hasattr(m, "lin") for _, m in out) else []
 
 
+def _per_call(lin: torch.nn.Module) -> bool:
+    """Whether ComfyUI patches this Linear's weight or bias at every call (its weight_function, bias_function)."""
+    return bool(getattr(lin, "weight_function", None) or getattr(lin, "bias_function", None))
+
+
 class TableModulation(torch.nn.Module):
     """Stands in for one of ComfyUI's block Modulations: its forward, with the Linear through the table's operator.
     `values` (a buffer: it moves with the model) holds the table's outputs of this Linear; `_table` (not a module)
@@ -172,7 +177,8 @@ class TableModulation(torch.nn.Module):
     def forward(self, vec: torch.Tensor) -> tuple:
         if vec.ndim == 2:
             vec = vec[:, None, :]
-        if vec.shape[1] != 1 or vec.shape[0] > MAX_BATCH:  # a modulation per token: the Linear as ComfyUI calls it
+        if vec.shape[1] != 1 or vec.shape[0] > MAX_BATCH or _per_call(self.lin):
+            # a modulation per token, or weights ComfyUI patches at every call: the Linear as ComfyUI calls it
             out = self.lin(torch.nn.functional.silu(vec))
         else:
             out = modulation_rows(vec[:, 0], self._table.rows, self.lin.weight, self.lin.bias, self.values)[:, None]
@@ -206,7 +212,7 @@ class ModTable:
         self.y_keys = torch.full((CAPACITY, y_width), nan, device=device)
         self.rows = torch.full((MAX_BATCH,), -1, dtype=torch.int32, device=device)
         self.hits = torch.zeros((), dtype=torch.int64, device=device)  # rows matched (counted on the device)
-        self.looked, self.builds, self.build_s, self.short = 0, 0, 0.0, ""
+        self.looked, self.builds, self.build_s, self.short, self.patched = 0, 0, 0.0, "", False
         self.run, self.layout = None, None  # the sample_sigmas the table holds, and its first call's batch layout
 
     def __getstate__(self) -> dict:
@@ -220,7 +226,7 @@ class ModTable:
         up (a run, and the batch layout of the run's first call)."""
         y, guidance, batch = kwargs.get("y"), kwargs.get("guidance"), timestep.shape[0]
         sigmas = transformer_options.get("sample_sigmas")
-        if sigmas is None or batch > MAX_BATCH or timestep.ndim != 1:
+        if sigmas is None or batch > MAX_BATCH or timestep.ndim != 1 or self._patched_per_call():
             self.looked += batch
             return False
         # the call's batch and its inputs' dtypes (None: not passed, or not read)
@@ -231,6 +237,19 @@ class ModTable:
             self.run, self.layout = sigmas, layout
         self.looked += batch
         return layout == self.layout
+
+    def _patched_per_call(self) -> bool:
+        """Whether ComfyUI now patches a modulation weight at every call (a LoRA applied after the Compile node, on a
+        model ComfyUI patches per call): those modulations then run as ComfyUI's Linear (TableModulation.forward)
+        and no row is looked up; said once."""
+        if not any(_per_call(m.lin) for m in self.modules):
+            return False
+        if not self.patched:
+            self.patched = True
+            log.warning("FluxAccel: a patch changes the modulation weights at every call (a LoRA applied after the "
+                        "Compile node?): the modulation table is not used while it does; apply the LoRA before the "
+                        "Compile node to keep it")
+        return True
 
     @torch.no_grad()
     def _build(self, dm, dtypes: tuple, sigmas: torch.Tensor, batch: int, y, guidance) -> None:
@@ -297,7 +316,8 @@ class ModTable:
         """The stats' figures (reads the device's counter)."""
         hits, computed = self._so_far()
         return {"rows_from_table": hits, "rows_computed": computed, "builds": self.builds,
-                "build_s": round(self.build_s, 3), "capacity_rows": CAPACITY, "short": self.short}
+                "build_s": round(self.build_s, 3), "capacity_rows": CAPACITY, "short": self.short,
+                "patched_per_call": self.patched}
 
 
 def why_not_here(model, dm: torch.nn.Module) -> str:

@@ -199,3 +199,28 @@ def test_bf16_the_table_computes_each_input_in_the_dtype_the_call_gets_it_in():
     out, ref = _sample(with_table[0], seed=1, steps=2), _sample(without, seed=1, steps=2)
     assert with_table[1].runner.mod_table.counts()["rows_from_table"] == 2
     assert rel_err(out, ref) < 1e-2, rel_err(out, ref)  # 0.0034 here; 0.23 with the guidance embedded in float32
+
+
+@needs_read
+def test_weights_patched_at_every_call_run_as_comfyuis_linear_and_are_not_looked_up(caplog):
+    """ComfyUI patches some weights at every call (a module's weight_function, set when it loads the model; e.g. a
+    LoRA after the Compile node): the table, which reads weights as stored, is then not used, said once; that
+    modulation runs as ComfyUI's Linear, with the patch."""
+    base = build_flux("tiny", dtype=torch.float32)
+    model, compiled = apply_compile(base, CompileConfig(modulation_table="on"))
+    _sample(model, seed=1, steps=2)  # loaded, as a run finds it
+    table, dm = compiled.runner.mod_table, base.model.diffusion_model
+    m = table.modules[3]
+    vec = torch.randn(1, 256)
+    m.lin.weight_function = [lambda w: w * 2]
+    try:
+        assert not table.prepare(dm, torch.zeros(1, 16, 16, 16), torch.tensor([0.5]), {"y": torch.zeros(1, 64)},
+                                 {"sample_sigmas": torch.tensor([1.0, 0.5, 0.0])})
+        assert table.counts()["patched_per_call"] and "the modulation table is not used while it does" in caplog.text
+        table.rows[0] = 0  # even with a row set, the patched Linear runs
+        out = m(vec)[0].shift
+        ref = flux_layers.Modulation.forward(m, vec)[0].shift
+        assert torch.equal(out, ref) and not torch.equal(out, m.values[0, :256].view_as(out))
+    finally:
+        m.lin.weight_function = []
+        table.rows.fill_(-1)
