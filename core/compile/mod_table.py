@@ -119,11 +119,12 @@ def vector_lines(forward_orig) -> str:
     return "\n".join(lines[first:last + 1]) if first is not None and last is not None and last > first else ""
 
 
-def why_not(dm: torch.nn.Module) -> str:
-    """'' if the table can stand in for this diffusion model's block modulations, else why not (in words)."""
+def why_not(dm: torch.nn.Module, backup: dict | None = None) -> str:
+    """'' if the table can stand in for this diffusion model's block modulations, else why not (in words). backup:
+    the patcher's object_patches_backup (the modules another clone's patches replace in the live tree now)."""
     if _OP is None:
         return UNAVAILABLE
-    mods = modulations(dm)
+    mods = modulations(dm, backup)
     if not mods or not all(hasattr(dm, a) for a in ("time_in", "vector_in", "guidance_in", "params")):
         return f"{type(dm).__name__} has no FLUX.1 per-block modulations (FLUX.2 and Chroma modulate otherwise)"
     cls = type(mods[0][1])
@@ -143,14 +144,15 @@ def why_not(dm: torch.nn.Module) -> str:
     return ""
 
 
-def modulations(dm: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+def modulations(dm: torch.nn.Module, backup: dict | None = None) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) of every block modulation of a FLUX.1 model (double blocks' img_mod and txt_mod, single blocks'
-    modulation), as the live tree holds them."""
+    modulation): ComfyUI's, where `backup` (object_patches_backup) holds the one another clone's patch replaced."""
     out = []
     for i, block in enumerate(getattr(dm, "double_blocks", ()) or ()):
         out += [(f"double_blocks.{i}.{a}", getattr(block, a, None)) for a in ("img_mod", "txt_mod")]
     for i, block in enumerate(getattr(dm, "single_blocks", ()) or ()):
         out.append((f"single_blocks.{i}.modulation", getattr(block, "modulation", None)))
+    out = [(name, (backup or {}).get(f"diffusion_model.{name}", m)) for name, m in out]
     return out if out and all(m is not None and hasattr(m, "lin") for _, m in out) else []
 
 
@@ -322,10 +324,11 @@ class ModTable:
 
 def why_not_here(model, dm: torch.nn.Module) -> str:
     """'' if the table can stand in for this model's block modulations, else why not and what to change."""
-    why = why_not(dm)
+    why = why_not(dm, model.object_patches_backup)
     if why:
         return why
-    keys = [f"diffusion_model.{name}" for name, _ in modulations(dm)]
+    mods = modulations(dm, model.object_patches_backup)
+    keys = [f"diffusion_model.{name}" for name, _ in mods]
     fp8 = sorted(k for k in model.object_patches if any(k.startswith(f"{p}.") for p in keys))
     if fp8:
         return (f"Quantize FP8 quantized its modulation weights ({fp8[0]}, ...; scope 'blocks+modulation'); Quantize "
@@ -336,8 +339,8 @@ def why_not_here(model, dm: torch.nn.Module) -> str:
                 f"they are stored")
     if not callable(getattr(getattr(getattr(model, "model", None), "model_sampling", None), "timestep", None)):
         return "its model has no model_sampling.timestep (sigma to timestep)"
-    for key, (_, live) in zip(keys, modulations(dm)):
-        lin = model.object_patches_backup.get(key, live).lin  # where another clone's table is in the tree now
+    for key, (_, m) in zip(keys, mods):
+        lin = m.lin
         if lin.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) or \
                 getattr(lin, "weight_function", None) or getattr(lin, "bias_function", None):
             return f"{key}.lin holds {lin.weight.dtype} weights or changes them per call (the table needs them as stored)"
@@ -348,9 +351,8 @@ def install(clone, model, dm: torch.nn.Module, device: torch.device) -> ModTable
     """A table for `clone` (a clone of `model` the Compile node made, why_not_here() ''): each block modulation
     swapped for a TableModulation through an object patch (the input model and other branches keep ComfyUI's)."""
     table = ModTable(model.model.model_sampling.timestep, dm.params.vec_in_dim, device)
-    for name, live in modulations(dm):
-        key = f"diffusion_model.{name}"
-        m = TableModulation(model.object_patches_backup.get(key, live), table, device)
+    for name, original in modulations(dm, model.object_patches_backup):
+        m = TableModulation(original, table, device)
         table.modules.append(m)
-        clone.add_object_patch(key, m)
+        clone.add_object_patch(f"diffusion_model.{name}", m)
     return table

@@ -305,4 +305,6 @@ def remove_compile(model):
     clone.remove_wrappers_with_key(_apply_model_type(), COMPILE_KEY)
     clone.remove_callbacks_with_key(on_load_callback_type(), COMPILE_KEY)
     clone.remove_attachments(COMPILE_KEY)
+    for key in [k for k, v in clone.object_patches.items() if isinstance(v, mod_table.TableModulation)]:
+        del clone.object_patches[key]  # ComfyUI's modulations again (the table belongs to the compiled model)
     return clone

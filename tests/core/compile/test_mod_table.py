@@ -224,3 +224,27 @@ def test_weights_patched_at_every_call_run_as_comfyuis_linear_and_are_not_looked
     finally:
         m.lin.weight_function = []
         table.rows.fill_(-1)
+
+
+@needs_read
+def test_compiled_again_or_while_another_clones_table_is_loaded_and_removed_with_the_compile(tiny_flux):
+    """A second Compile node on a compiled model, or on the base model while a compiled clone's table is in the live
+    tree, gets a table of its own over ComfyUI's modulations; removing the compile (the Benchmark's baseline) leaves
+    ComfyUI's modulations."""
+    from fluxaccel.core.compile.patch import remove_compile
+
+    first, c1 = apply_compile(tiny_flux, CompileConfig())
+    first.patch_model()  # the first clone's TableModulations are in the live tree now
+    try:
+        assert isinstance(tiny_flux.model.diffusion_model.double_blocks[0].img_mod, mod_table.TableModulation)
+        other, c2 = apply_compile(tiny_flux, CompileConfig())
+        again, c3 = apply_compile(first, CompileConfig())
+    finally:
+        first.unpatch_model()
+    for m, c in ((other, c2), (again, c3)):
+        assert c.runner.mod_table is not None and c.runner.mod_table is not c1.runner.mod_table
+        assert all(type(t.lin).__name__ == "Linear" for t in c.runner.mod_table.modules)
+        assert not c.stats.degradations
+    plain = remove_compile(again)
+    assert not any(isinstance(v, mod_table.TableModulation) for v in plain.object_patches.values())
+    assert isinstance(again.object_patches["diffusion_model.single_blocks.0.modulation"], mod_table.TableModulation)
