@@ -17,10 +17,11 @@ calls the model at other sigmas (midpoints), a cond batched differently, or more
 are computed, counted (the stats' rows_computed), never wrong. The table's values come from a GEMM with more rows
 than the call's: they can differ from the per-call Linear in the last bit, as any other kernel choice can.
 
-Where it applies (refused with the reason elsewhere, by the Compile node): FLUX.1 models whose blocks' Modulation
-forward and vector lines FluxAccel read (KNOWN_*: their source's SHA-256), with modulation weights in the compute
-dtype, not FP8 (Quantize FP8's scope 'blocks+modulation'), and no weight patches on them. Memory: CAPACITY rows of
-every modulation's outputs (FLUX.1-dev: 2.1 MB a row, 134 MB), moved with the model.
+Where it applies ("auto" leaves it off elsewhere and says why; "on" is refused there): FLUX.1 models whose blocks'
+Modulation forward and vector lines FluxAccel read (KNOWN_*: their source's SHA-256), with modulation weights in the
+compute dtype, not FP8 (Quantize FP8's scope 'blocks+modulation'), and no weight patches on them (weights ComfyUI
+patches at every call run as ComfyUI's Linear, not looked up). Memory: CAPACITY rows of every modulation's outputs
+(FLUX.1-dev: 2.1 MB a row, 134 MB), moved with the model.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import time
 
 import torch
 
-from ..errors import FluxAccelError
+from ..quant.act_quant import _register as register_triton_op
 
 log = logging.getLogger("fluxaccel.compile")
 
@@ -74,24 +75,7 @@ def _rows_body(vec: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias
     return _rows_reference(vec, rows, weight, bias, table)
 
 
-def _register():
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is None:
-        return None, "Triton is not installed (the table's operator is a Triton kernel)"
-    namespace, _, op = OP_NAME.partition("::")
-    registered = getattr(getattr(torch.ops, namespace, None), op, None)
-    if registered is not None:  # this module imported again under another package name: the same operator
-        return registered, ""
-    try:
-        from torch.library import triton_op
-
-        return triton_op(OP_NAME, mutates_args=())(_rows_body), ""
-    except Exception as e:  # noqa: BLE001 -- an older or newer torch: the table is then refused, saying why
-        return None, f"torch {torch.__version__} could not register the {OP_NAME} operator ({type(e).__name__}: {e})"
-
-
-_OP, UNAVAILABLE = _register()
+_OP, UNAVAILABLE = register_triton_op(OP_NAME, _rows_body)  # as act_quant registers its operators
 
 
 def modulation_rows(vec: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -216,6 +200,7 @@ class ModTable:
         self.hits = torch.zeros((), dtype=torch.int64, device=device)  # rows matched (counted on the device)
         self.looked, self.builds, self.build_s, self.short, self.patched = 0, 0, 0.0, "", False
         self.run, self.layout = None, None  # the sample_sigmas the table holds, and its first call's batch layout
+        self.per_call = False  # whether the run's modulation weights are patched at every call (not looked up)
 
     def __getstate__(self) -> dict:
         """Pickled (a separate compile process rebuilds the model from its skeleton) without the sigma-to-timestep
@@ -225,20 +210,21 @@ class ModTable:
 
     def prepare(self, dm, x: torch.Tensor, timestep: torch.Tensor, kwargs: dict, transformer_options: dict) -> bool:
         """Before a call (host side): the table built at a sampling run's first call; whether this call can look rows
-        up (a run, and the batch layout of the run's first call)."""
+        up (a run, its weights as stored, and the batch layout of the run's first call)."""
         y, guidance, batch = kwargs.get("y"), kwargs.get("guidance"), timestep.shape[0]
         sigmas = transformer_options.get("sample_sigmas")
-        if sigmas is None or batch > MAX_BATCH or timestep.ndim != 1 or self._patched_per_call():
-            self.looked += batch
-            return False
-        # the call's batch and its inputs' dtypes (None: not passed, or not read)
-        layout = (batch, None if y is None else y.dtype,
-                  guidance.dtype if guidance is not None and dm.params.guidance_embed else None)
-        if sigmas is not self.run:
-            self._build(dm, (x.dtype, timestep.dtype), sigmas, batch, y, guidance if layout[2] else None)
-            self.run, self.layout = sigmas, layout
+        usable = sigmas is not None and batch <= MAX_BATCH and timestep.ndim == 1
+        if usable:
+            guidance = guidance if guidance is not None and dm.params.guidance_embed else None
+            # the call's batch and its inputs' dtypes (None: not passed, or not read)
+            layout = (batch, getattr(y, "dtype", None), getattr(guidance, "dtype", None))
+            if sigmas is not self.run:  # a new run: its weights checked, its table built (once per run)
+                self.run, self.layout, self.per_call = sigmas, layout, self._patched_per_call()
+                if not self.per_call:
+                    self._build(dm, (x.dtype, timestep.dtype), sigmas, batch, y, guidance)
+            usable = not self.per_call and layout == self.layout
         self.looked += batch
-        return layout == self.layout
+        return usable
 
     def _patched_per_call(self) -> bool:
         """Whether ComfyUI now patches a modulation weight at every call (a LoRA applied after the Compile node, on a

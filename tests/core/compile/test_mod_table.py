@@ -139,7 +139,8 @@ def test_sampling_runs_look_up_every_euler_call_and_equal_the_uncompiled_model()
 
     assert rel_err(_sample(model, seed=1, steps=3), _sample(base, seed=1, steps=3)) < 1e-4
     assert table.counts() | {"build_s": 0} == {"rows_from_table": 3, "rows_computed": 0, "builds": 1, "build_s": 0,
-                                               "capacity_rows": mod_table.CAPACITY, "short": ""}
+                                               "capacity_rows": mod_table.CAPACITY, "short": "",
+                                               "patched_per_call": False}
     graphs = compiled_graphs()
     assert rel_err(_sample(model, seed=2, steps=3, text_seed=4), _sample(base, seed=2, steps=3, text_seed=4)) < 1e-4
     assert table.counts()["rows_from_table"] == 6 and table.builds == 2 and compiled_graphs() == graphs
