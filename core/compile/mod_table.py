@@ -48,8 +48,9 @@ _FUNCTIONS: dict = {}  # timestep_embedding of the model's module, kept by why_n
 
 
 def _rows_reference(vec, rows, weight, bias, table):
-    r = rows[:vec.shape[0]].long()
-    computed = torch.nn.functional.linear(torch.nn.functional.silu(vec), weight, bias)
+    r = rows[:vec.shape[0]].long()  # weights cast to the input's dtype, as ComfyUI's ops cast stored weights
+    computed = torch.nn.functional.linear(torch.nn.functional.silu(vec), weight.to(vec.dtype),
+                                          None if bias is None else bias.to(vec.dtype))
     return torch.where((r >= 0)[:, None], table[r.clamp(min=0)].to(computed.dtype), computed)
 
 
@@ -150,12 +151,11 @@ class TableModulation(torch.nn.Module):
     `values` (a buffer: it moves with the model) holds the table's outputs of this Linear; `_table` (not a module)
     the rows of the call running."""
 
-    def __init__(self, original: torch.nn.Module, table: "ModTable", device: torch.device):
+    def __init__(self, original: torch.nn.Module, table: "ModTable", device: torch.device, dtype: torch.dtype):
         super().__init__()
         self.lin, self.is_double, self.multiplier = original.lin, original.is_double, original.multiplier
-        n = self.lin.weight.shape[0]
-        self.register_buffer("values", torch.zeros(CAPACITY, n, dtype=self.lin.weight.dtype, device=device),
-                             persistent=False)
+        n = self.lin.weight.shape[0]  # values in the compute dtype (ComfyUI may store the weights in another)
+        self.register_buffer("values", torch.zeros(CAPACITY, n, dtype=dtype, device=device), persistent=False)
         object.__setattr__(self, "_table", table)
         self.cache_tag = f"modulation_table rows={CAPACITY} batch={MAX_BATCH}"  # the compiled graph's shapes (patch.py)
         object.__setattr__(self, "_record", type(original).forward.__globals__["ModulationOut"])
@@ -338,7 +338,9 @@ def install(clone, model, dm: torch.nn.Module, device: torch.device) -> ModTable
     swapped for a TableModulation through an object patch (the input model and other branches keep ComfyUI's)."""
     table = ModTable(model.model.model_sampling.timestep, dm.params.vec_in_dim, device)
     for name, original in modulations(dm, model.object_patches_backup):
-        m = TableModulation(original, table, device)
+        # ComfyUI computes in its manual-cast dtype where it stores weights in another (e.g. bf16 weights on a CPU)
+        dtype = getattr(model.model, "manual_cast_dtype", None) or original.lin.weight.dtype
+        m = TableModulation(original, table, device, dtype)
         table.modules.append(m)
         clone.add_object_patch(f"diffusion_model.{name}", m)
     return table

@@ -249,3 +249,25 @@ def test_compiled_again_or_while_another_clones_table_is_loaded_and_removed_with
     plain = remove_compile(again)
     assert not any(isinstance(v, mod_table.TableModulation) for v in plain.object_patches.values())
     assert isinstance(again.object_patches["diffusion_model.single_blocks.0.modulation"], mod_table.TableModulation)
+
+
+@needs_read
+def test_weights_stored_in_another_dtype_than_the_compute_dtype():
+    """ComfyUI on a CPU stores bf16 weights and computes in float32 (its manual cast): the table's values are in the
+    compute dtype and the operator casts the stored weights as ComfyUI's ops do."""
+    import comfy.model_patcher
+
+    from fluxaccel.core.models import synthetic
+    from support.shapes import TINY
+
+    conf = synthetic._model_config(synthetic.unet_config(TINY))
+    conf.set_inference_dtype(torch.bfloat16, torch.float32)
+    bm = conf.get_model({}, device="cpu")
+    bm.diffusion_model.to(dtype=torch.bfloat16)
+    synthetic.init_random_(bm.diffusion_model, 0)
+    base = comfy.model_patcher.ModelPatcher(bm, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+    model, compiled = apply_compile(base, CompileConfig())
+    assert compiled.runner.mod_table.modules[0].values.dtype == torch.float32
+    out, ref = _sample(model, seed=1, steps=2), _sample(base, seed=1, steps=2)
+    assert compiled.runner.mod_table.counts()["rows_from_table"] == 2
+    assert rel_err(out, ref) < 1e-3, rel_err(out, ref)
