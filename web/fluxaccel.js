@@ -217,9 +217,9 @@ function fluxaccelBadge(node) {
 // Compile's widget values as saved before clear_cache left the node (it was a saved setting that cleared the cache of
 // every machine running the workflow): [cuda_graphs, mode, resolution_policy, max_shapes, persistent_cache,
 // clear_cache, block_regions]. Without this, the old clear_cache value would land in block_regions. Workflows saved
-// with seven values whose last is attention (a name, not a boolean) are left as they are; today's node has eleven
-// (separate_process, single_blocks, graph_capture, then stage_inputs last), and a workflow saved without them gets
-// their defaults.
+// with seven values whose last is attention (a name, not a boolean) are left as they are; today's node has twelve
+// (separate_process, single_blocks, graph_capture, stage_inputs, then modulation_table last), and a workflow saved
+// without them gets their defaults.
 const RETIRED_CLEAR_CACHE_SLOT = 5;
 const COMPILE_WIDGETS_WITH_CLEAR_CACHE = 7;
 

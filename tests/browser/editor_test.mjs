@@ -121,7 +121,7 @@ try {
     window.__fluxaccel.toasts.splice(toastsBefore);  // the later checks read the run's toasts only
     return { widgets, added };
   });
-  // back to the CPU quickstart, as shipped, for the run (today's eleven Compile values, stage_inputs last: not migrated)
+  // back to the CPU quickstart, as shipped, for the run (today's twelve Compile values, modulation_table last: not migrated)
   result.shippedCompile = await page.evaluate(async () => {
     const data = await (await fetch("/api/workflow_templates/comfyui-fluxaccel/fluxaccel_quickstart_cpu.json")).json();
     const migratedBefore = window.__fluxaccel.migrated || 0;

@@ -57,12 +57,12 @@ def test_editor_in_a_real_browser(server):
         == {"resolution_policy": "recompile", "max_shapes": 3, "persistent_cache": True, "block_regions": True}, old
     assert "clear_cache" not in old["widgets"] and len(old["added"]) == 1, old
     assert "Nothing is cleared" in old["added"][0]["detail"] and "clear_cache.py" in old["added"][0]["detail"], old
-    shipped = r["shippedCompile"]  # today's eleven values (stage_inputs last) load as saved, not as the old format
-    assert len(shipped["saved"]) == 11 and shipped["migrated"] == 0, shipped
+    shipped = r["shippedCompile"]  # today's twelve values (modulation_table last) load as saved, not as the old format
+    assert len(shipped["saved"]) == 12 and shipped["migrated"] == 0, shipped
     assert (shipped["widgets"]["block_regions"], shipped["widgets"]["attention"],
             shipped["widgets"]["separate_process"], shipped["widgets"]["single_blocks"],
-            shipped["widgets"]["graph_capture"], shipped["widgets"]["stage_inputs"]) \
-        == (True, "cudnn", True, "fluxaccel", "auto", True), shipped
+            shipped["widgets"]["graph_capture"], shipped["widgets"]["stage_inputs"],
+            shipped["widgets"]["modulation_table"]) == (True, "cudnn", True, "fluxaccel", "auto", True, "auto"), shipped
     assert set(r["loadedTypes"]) >= (ours - {"FluxAccelQuantizeFP8"}) | {"UNETLoader"}
     w = r["benchmarkWidgets"]  # widget values land on the right widgets (seed's control_after_generate included)
     assert (w["cfg"], w["sampler_name"], w["scheduler"], w["steps"]) == (1.0, "euler", "simple", 2), w
