@@ -1,5 +1,5 @@
-"""The modulation table (opt-in on the Compile node): every block's modulation computed once per prompt, for all of the
-sampler's sigmas, instead of at every model call.
+"""The modulation table (the Compile node's modulation_table; "auto", the default, uses it on FLUX.1): every block's
+modulation computed once per prompt, for all of the sampler's sigmas, instead of at every model call.
 
 A FLUX.1 block's modulation is a Linear of SiLU(vec) with M = 1 (a row per batch entry): at every step each of the 76
 modulations reads its whole weight for one row (FLUX.1-dev: 3.2 billion bf16 weights, 6.4 GB per step, ~2.3 ms per
@@ -28,12 +28,12 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
-import textwrap
 import time
 
 import torch
 
 from ..quant.act_quant import _register as register_triton_op
+from .single_block import source_hash  # SHA-256 of a class's forward source (how single_block knows its forward)
 
 log = logging.getLogger("fluxaccel.compile")
 
@@ -113,16 +113,14 @@ def why_not(dm: torch.nn.Module, backup: dict | None = None) -> str:
     if not mods or not all(hasattr(dm, a) for a in ("time_in", "vector_in", "guidance_in", "params")):
         return f"{type(dm).__name__} has no FLUX.1 per-block modulations (FLUX.2 and Chroma modulate otherwise)"
     cls = type(mods[0][1])
-    try:
-        digest = _digest(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError):
-        digest = ""
-    if digest not in KNOWN_MODULATION:
+    if source_hash(cls) not in KNOWN_MODULATION:
         return f"{cls.__module__}.{cls.__qualname__}.forward is not a modulation forward FluxAccel has read"
     forward_orig = getattr(type(dm), "forward_orig", None)
     if _digest(vector_lines(forward_orig)) not in KNOWN_VECTOR:
-        return f"{type(dm).__module__}.{type(dm).__qualname__}.forward_orig makes its vector in a way FluxAccel has not read"
-    out_cls, embedding = cls.forward.__globals__.get("ModulationOut"), forward_orig.__globals__.get("timestep_embedding")
+        return (f"{type(dm).__module__}.{type(dm).__qualname__}.forward_orig makes its vector in a way FluxAccel has "
+                f"not read")
+    out_cls = cls.forward.__globals__.get("ModulationOut")
+    embedding = forward_orig.__globals__.get("timestep_embedding")
     if out_cls is None or not callable(embedding):
         return f"{cls.__module__} has no ModulationOut, or {type(dm).__module__} no timestep_embedding"
     _FUNCTIONS["timestep_embedding"] = embedding
@@ -174,7 +172,8 @@ class TableModulation(torch.nn.Module):
 
 def vectors(dm: torch.nn.Module, timesteps: torch.Tensor, y: torch.Tensor | None, guidance: torch.Tensor | None,
             dtype: torch.dtype) -> torch.Tensor:
-    """FLUX.1's `vec` for rows of (timestep, y, guidance), as forward_orig's vector lines make it (why_not() read them)."""
+    """FLUX.1's `vec` for rows of (timestep, y, guidance), as forward_orig's vector lines make it (why_not() read
+    them)."""
     embedding = _FUNCTIONS["timestep_embedding"]
     vec = dm.time_in(embedding(timesteps, 256).to(dtype))
     if dm.params.guidance_embed and guidance is not None:
@@ -329,7 +328,8 @@ def why_not_here(model, dm: torch.nn.Module) -> str:
         lin = m.lin
         if lin.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) or \
                 getattr(lin, "weight_function", None) or getattr(lin, "bias_function", None):
-            return f"{key}.lin holds {lin.weight.dtype} weights or changes them per call (the table needs them as stored)"
+            return (f"{key}.lin holds {lin.weight.dtype} weights or changes them per call (the table needs them as "
+                    f"stored)")
     return ""
 
 
