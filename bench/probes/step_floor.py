@@ -12,10 +12,13 @@ profile in bench/NOTES.md) compares with these: what the GEMMs and attention alo
 is left for the rest.
 
 Run on the device:  python3 bench/probes/step_floor.py [--out DIR]   (the fa3-fwd wheel importable for attention)
-Prints one JSON line per measurement ("PROBE {...}"), writes DIR/step_floor.json.
+schnell 512², 4 steps:  ... --image-tokens 1024 --text-tokens 256 --steps 4 --gap-ms 20   (each "prompt" after a
+host gap with the GPU idle, as ComfyUI's work before the first model call leaves it)
+Prints one JSON line per measurement ("PROBE {...}"), writes DIR/step_floor[-IMGxTXTxSTEPS].json.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import statistics
 import subprocess
@@ -29,9 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from bench.probes.replay import Record  # noqa: E402
 
-TXT, IMG, HEADS, D, HIDDEN, MLP = 512, 4096, 24, 128, 3072, 12288
+HEADS, D, HIDDEN, MLP = 24, 128, 3072, 12288
+TXT, IMG, STEPS, GAP_S, PROMPTS = 512, 4096, 28, 0.0, 6  # main() sets them from its arguments
 TOKENS = TXT + IMG
-STEPS, PROMPTS = 28, 6
 F8 = torch.float8_e4m3fn
 # (rows, in, out) of a double block's four Linears per stream, and of a single block's two
 DOUBLE = [(HIDDEN, 3 * HIDDEN), (HIDDEN, HIDDEN), (HIDDEN, MLP), (MLP, HIDDEN)]
@@ -59,7 +62,8 @@ class Step:
         self.attention, self.rows = attention, rows
         self.double = [[[Gemm(k, n, g) for k, n in DOUBLE] for _ in range(2)] for _ in range(19)]
         self.single = [[Gemm(k, n, g) for k, n in SINGLE] for _ in range(38)]
-        self.a = {(m, k): (torch.randn(m, k, device="cuda", generator=g).to(F8), torch.full((m, 1), 1e-2, device="cuda"))
+        self.a = {(m, k): (torch.randn(m, k, device="cuda", generator=g).to(F8),
+                           torch.full((m, 1), 1e-2, device="cuda"))
                   for m in (IMG, TXT, TOKENS) for k in (HIDDEN, MLP, HIDDEN + MLP)}
         self.q = torch.randn(1, TOKENS, HEADS, D, device="cuda", generator=g).to(F8)
         self.descale = torch.ones(1, HEADS, device="cuda")
@@ -143,8 +147,8 @@ def window(samples, start, end) -> dict:
 
 
 def run(step: Step) -> tuple[list[float], float, datetime.datetime, datetime.datetime]:
-    """Per-prompt ms of 28 replays each (PROMPTS prompts back to back, a sync between), the first replay after 3 s
-    idle (the boost clock), and the sustained span's start and end."""
+    """Per-prompt ms of STEPS replays each (PROMPTS prompts, each after a sync and GAP_S idle), one replay after 3 s
+    idle (the boost clock), and the timed span's start and end."""
     step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -162,6 +166,7 @@ def run(step: Step) -> tuple[list[float], float, datetime.datetime, datetime.dat
     torch.cuda.synchronize()
     start, prompts = datetime.datetime.now(), []
     for _ in range(PROMPTS):
+        time.sleep(GAP_S)
         a.record()
         for _ in range(STEPS):
             graph.replay()
@@ -172,7 +177,17 @@ def run(step: Step) -> tuple[list[float], float, datetime.datetime, datetime.dat
 
 
 def main():
-    rec = Record("step_floor.json")
+    global TXT, IMG, TOKENS, STEPS, GAP_S, PROMPTS
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--image-tokens", type=int, default=IMG)
+    ap.add_argument("--text-tokens", type=int, default=TXT)
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--gap-ms", type=float, default=0.0)
+    a, rest = ap.parse_known_args()
+    IMG, TXT, STEPS, GAP_S = a.image_tokens, a.text_tokens, a.steps, a.gap_ms / 1e3
+    TOKENS, PROMPTS = IMG + TXT, max(6, 168 // STEPS)
+    default = (IMG, TXT, STEPS) == (4096, 512, 28)
+    rec = Record("step_floor.json" if default else f"step_floor-{IMG}x{TXT}x{STEPS}.json", rest)
     attention = True
     try:
         from tools.plugin import register
@@ -194,7 +209,8 @@ def main():
     samples = sampler.stop()
     for name, prompts, burst, start, end in spans:
         ms = statistics.median(prompts)
-        rec.emit(kind="step", variant=name, prompt_ms_median=round(ms, 1), step_ms=round(ms / STEPS, 2),
+        rec.emit(kind="step", variant=name, image_tokens=IMG, text_tokens=TXT, steps=STEPS, gap_ms=1e3 * GAP_S,
+                 prompt_ms_median=round(ms, 1), step_ms=round(ms / STEPS, 2),
                  prompts_ms=[round(p, 1) for p in prompts], step_ms_after_idle=round(burst, 2),
                  **window(samples, start, end))
 
