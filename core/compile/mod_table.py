@@ -33,6 +33,7 @@ import time
 import torch
 
 from ..quant.act_quant import _register as register_triton_op
+from .call_graphs import cuda_capture
 from .single_block import source_hash  # SHA-256 of a class's forward source (how single_block knows its forward)
 
 log = logging.getLogger("fluxaccel.compile")
@@ -154,6 +155,51 @@ def _linear_into(out: torch.Tensor, x: torch.Tensor, lin: torch.nn.Module) -> No
         torch.addmm(lin.bias.to(x.dtype), x, weight, out=out)
 
 
+class Gemms:
+    """The build's GEMMs: SiLU(vec) rows times each modulation's weights, into its values. On a GPU, one CUDA graph of
+    all of them over CAPACITY rows: one launch where 76 cost 3-5 ms of host time before the run's first call could
+    start. Captured at the first build, and again where ComfyUI has moved the weights (the graph reads the addresses
+    it captured). Elsewhere, or after a failed capture (said once, in the stats too), one GEMM at a time."""
+
+    def __init__(self, capture=None):
+        self.capture, self.graph, self.weights, self.rows, self.captures, self.failed = capture, None, (), None, 0, ""
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "graph": None, "weights": (), "rows": None}  # a graph stays in its process
+
+    def __call__(self, modules: list, s: torch.Tensor, n: int) -> None:
+        if self.capture is None or self.failed:
+            for m in modules:
+                _linear_into(m.values[:n], s, m.lin)
+            return
+        weights = tuple(t.data_ptr() for m in modules for t in (m.lin.weight, m.lin.bias) if t is not None)
+        if self.graph is None or weights != self.weights or (self.rows.dtype, self.rows.shape[1]) != \
+                (s.dtype, s.shape[1]):
+            if not self._captured(modules, s, weights):
+                return self(modules, s, n)
+        self.rows[:n].copy_(s)
+        self.graph.replay()
+
+    def _captured(self, modules: list, s: torch.Tensor, weights: tuple) -> bool:
+        self.graph, self.rows = None, torch.zeros((CAPACITY, s.shape[1]), dtype=s.dtype, device=s.device)
+
+        def run():
+            for m in modules:
+                _linear_into(m.values, self.rows, m.lin)
+            return self.rows
+
+        try:
+            run()  # the GEMMs' first launch of these shapes (cuBLAS's setup), outside the capture
+            self.graph, _ = self.capture(run)
+        except Exception as e:  # noqa: BLE001 -- said, and its GEMMs run one at a time from then on
+            self.failed = f"{type(e).__name__}: {e}"[:300]
+            log.warning("FluxAccel: modulation table: its build could not be captured in a CUDA graph (%s); its "
+                        "GEMMs run one at a time (a few ms more host work per sampling run)", self.failed)
+            return False
+        self.weights, self.captures = weights, self.captures + 1
+        return True
+
+
 class TableModulation(torch.nn.Module):
     """Stands in for one of ComfyUI's block Modulations: its forward, with the Linear through the table's operator.
     `values` (a buffer: it moves with the model) holds the table's outputs of this Linear; `_table` (not a module)
@@ -210,6 +256,7 @@ class ModTable:
         self.looked, self.builds, self.build_s, self.short, self.patched = 0, 0, 0.0, "", False
         self.run, self.layout = None, None  # the sample_sigmas the table holds, and its first call's batch layout
         self.per_call = False  # whether the run's modulation weights are patched at every call (not looked up)
+        self.gemms = Gemms(cuda_capture if torch.device(device).type == "cuda" else None)
 
     def __getstate__(self) -> dict:
         """Pickled (a separate compile process rebuilds the model from its skeleton) without the sigma-to-timestep
@@ -267,8 +314,7 @@ class ModTable:
         y_rows = None if y is None else y[:, :self.y_width].repeat(steps, 1)
         g_rows = None if guidance is None else guidance.flatten().repeat(steps)
         s = torch.nn.functional.silu(vectors(dm, t, y_rows, g_rows, dtype)).to(self.modules[0].values.dtype)
-        for m in self.modules:  # one GEMM of n rows per modulation, its weights read once for the whole run, written
-            _linear_into(m.values[:n], s, m.lin)  # in place: one launch each (ComfyUI's Linear costs more host work)
+        self.gemms(self.modules, s, n)  # one GEMM of n rows per modulation: its weights read once for the whole run
         for keys, rows in ((self.t_keys, t), (self.g_keys, g_rows), (self.y_keys, y_rows)):
             keys.fill_(float("nan"))
             if rows is not None:
@@ -315,7 +361,8 @@ class ModTable:
         """The stats' figures (reads the device's counter)."""
         hits, computed = self._so_far()
         return {"rows_from_table": hits, "rows_computed": computed, "builds": self.builds,
-                "build_s": round(self.build_s, 3), "capacity_rows": CAPACITY, "short": self.short,
+                "build_s": round(self.build_s, 3), "build_graphs": self.gemms.captures,
+                "build_graph_failed": self.gemms.failed, "capacity_rows": CAPACITY, "short": self.short,
                 "patched_per_call": self.patched}
 
 

@@ -139,6 +139,7 @@ def test_sampling_runs_look_up_every_euler_call_and_equal_the_uncompiled_model()
 
     assert rel_err(_sample(model, seed=1, steps=3), _sample(base, seed=1, steps=3)) < 1e-4
     assert table.counts() | {"build_s": 0} == {"rows_from_table": 3, "rows_computed": 0, "builds": 1, "build_s": 0,
+                                               "build_graphs": 0, "build_graph_failed": "",
                                                "capacity_rows": mod_table.CAPACITY, "short": "",
                                                "patched_per_call": False}
     graphs = compiled_graphs()
@@ -200,6 +201,46 @@ def test_bf16_the_table_computes_each_input_in_the_dtype_the_call_gets_it_in():
     out, ref = _sample(with_table[0], seed=1, steps=2), _sample(without, seed=1, steps=2)
     assert with_table[1].runner.mod_table.counts()["rows_from_table"] == 2
     assert rel_err(out, ref) < 1e-2, rel_err(out, ref)  # 0.0034 here; 0.23 with the guidance embedded in float32
+
+
+class _Replay:
+    """A stand-in for a CUDA graph on the CPU: replay() runs the captured function again (counted)."""
+
+    replays = 0
+
+    def __init__(self, run):
+        self.run = run
+
+    def replay(self):
+        _Replay.replays += 1
+        self.run()
+
+
+@needs_read
+def test_the_builds_gemms_are_one_graph_captured_again_where_the_weights_moved_and_a_failure_is_said(caplog):
+    """The build's GEMMs through a capture (a stand-in on the CPU): captured at the first build, replayed by the next
+    run's, captured again once ComfyUI has moved a weight; a capture that fails is said and the GEMMs run one by one.
+    Every run equals the uncompiled model's."""
+    base = build_flux("tiny", dtype=torch.float32)
+    model, compiled = apply_compile(base, CompileConfig(resolution_policy="recompile", modulation_table="on"))
+    table, _Replay.replays = compiled.runner.mod_table, 0
+    table.gemms = mod_table.Gemms(lambda run: (_Replay(run), run()))
+    ref = _sample(base, seed=1, steps=3)
+    for runs, captures in ((1, 1), (2, 1)):
+        assert rel_err(_sample(model, seed=1, steps=3), ref) < 1e-4
+        assert (table.builds, table.gemms.captures, _Replay.replays) == (runs, captures, runs)
+    lin = table.modules[5].lin
+    lin.weight.data = lin.weight.data.clone()  # the same weights elsewhere, as after ComfyUI moved them
+    assert rel_err(_sample(model, seed=1, steps=3), ref) < 1e-4 and table.gemms.captures == 2
+
+    def refused(run):
+        raise RuntimeError("capture refused")
+
+    table.gemms = mod_table.Gemms(refused)
+    assert rel_err(_sample(model, seed=1, steps=3), ref) < 1e-4
+    assert "its build could not be captured in a CUDA graph (RuntimeError: capture refused)" in caplog.text
+    assert table.counts()["build_graph_failed"] == "RuntimeError: capture refused"
+    assert table.counts()["rows_from_table"] == 4 * 3 and table.counts()["rows_computed"] == 0
 
 
 @needs_read
