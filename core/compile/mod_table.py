@@ -157,7 +157,7 @@ def _linear_into(out: torch.Tensor, x: torch.Tensor, lin: torch.nn.Module) -> No
 
 class Gemms:
     """The build's GEMMs: SiLU(vec) rows times each modulation's weights, into its values. On a GPU, one CUDA graph of
-    all of them over CAPACITY rows: one launch where 76 cost 3-5 ms of host time before the run's first call could
+    all of them over CAPACITY rows: one launch where 76 cost 3-7 ms of host time before the run's first call could
     start. Captured at the first build, and again where ComfyUI has moved the weights (the graph reads the addresses
     it captured). Elsewhere, or after a failed capture (said once, in the stats too), one GEMM at a time."""
 
