@@ -8,6 +8,7 @@ looked up (counted), a sampler's midpoint calls computed, and no compile beyond 
 ComfyUI's modulations.
 """
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -216,6 +217,10 @@ class _Replay:
         self.run()
 
 
+def _stand_in_capture(run):
+    return _Replay(run), run()
+
+
 @needs_read
 def test_the_builds_gemms_are_one_graph_captured_again_where_the_weights_moved_and_a_failure_is_said(caplog):
     """The build's GEMMs through a capture (a stand-in on the CPU): captured at the first build, replayed by the next
@@ -224,7 +229,7 @@ def test_the_builds_gemms_are_one_graph_captured_again_where_the_weights_moved_a
     base = build_flux("tiny", dtype=torch.float32)
     model, compiled = apply_compile(base, CompileConfig(resolution_policy="recompile", modulation_table="on"))
     table, _Replay.replays = compiled.runner.mod_table, 0
-    table.gemms = mod_table.Gemms(lambda run: (_Replay(run), run()))
+    table.gemms = mod_table.Gemms(_stand_in_capture)
     ref = _sample(base, seed=1, steps=3)
     for runs, captures in ((1, 1), (2, 1)):
         assert rel_err(_sample(model, seed=1, steps=3), ref) < 1e-4
@@ -232,6 +237,8 @@ def test_the_builds_gemms_are_one_graph_captured_again_where_the_weights_moved_a
     lin = table.modules[5].lin
     lin.weight.data = lin.weight.data.clone()  # the same weights elsewhere, as after ComfyUI moved them
     assert rel_err(_sample(model, seed=1, steps=3), ref) < 1e-4 and table.gemms.captures == 2
+    pickled = pickle.loads(pickle.dumps(table.gemms))  # a separate compile process gets no graph of this one's
+    assert (pickled.graph, pickled.rows, pickled.weights, pickled.captures) == (None, None, (), 2)
 
     def refused(run):
         raise RuntimeError("capture refused")
