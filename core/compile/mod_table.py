@@ -33,7 +33,7 @@ import time
 import torch
 
 from ..quant.act_quant import _register as register_triton_op
-from .call_graphs import cuda_capture
+from .call_graphs import cuda_capture, weight_addresses
 from .single_block import source_hash  # SHA-256 of a class's forward source (how single_block knows its forward)
 
 log = logging.getLogger("fluxaccel.compile")
@@ -172,7 +172,7 @@ class Gemms:
             for m in modules:
                 _linear_into(m.values[:n], s, m.lin)
             return
-        weights = tuple(t.data_ptr() for m in modules for t in (m.lin.weight, m.lin.bias) if t is not None)
+        weights = tuple(a for m in modules for a in weight_addresses(m.lin))  # what the graph reads
         if self.graph is None or weights != self.weights or (self.rows.dtype, self.rows.shape[1]) != \
                 (s.dtype, s.shape[1]):
             if not self._captured(modules, s, weights):
