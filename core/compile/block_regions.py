@@ -31,6 +31,7 @@ where the config asks for it and the block is one that forward was written for; 
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 
@@ -98,10 +99,22 @@ def _flat(vec, nested: bool = False) -> tuple:
         return (type(vec).__name__, tuple(p[0] for p in parts)), tuple(t for p in parts for t in p[1])
     if dataclasses.is_dataclass(vec):
         name = f"{type(vec).__module__}.{type(vec).__qualname__}"
-        _RECORDS[name] = type(vec)
+        if _RECORDS.get(name) is not type(vec):  # known before the trace (_known_records): no guard on a new key
+            _RECORDS[name] = type(vec)
         fields = tuple(f.name for f in dataclasses.fields(vec))
         return ("record", name, fields), tuple(getattr(vec, f).clone() for f in fields)
     raise TypeError(f"block_regions: a FLUX block's vec of type {type(vec).__name__} is not known")
+
+
+def _known_records(dm: torch.nn.Module) -> None:
+    """The dataclasses the modules of the model and its blocks define or import (FLUX.2's and Chroma's modulation
+    records among them), in _RECORDS before any trace: a key the first traced call added would fail the trace's
+    guard on the dict at the next call (one more compile)."""
+    classes = {type(dm), *(type(b) for b in (*getattr(dm, "double_blocks", ()), *getattr(dm, "single_blocks", ())))}
+    for cls in classes:
+        for v in list(getattr(sys.modules.get(cls.__module__), "__dict__", {}).values()):
+            if isinstance(v, type) and dataclasses.is_dataclass(v):
+                _RECORDS.setdefault(f"{v.__module__}.{v.__qualname__}", v)
 
 
 def _rebuilt(layout, tensors: tuple):
@@ -205,6 +218,7 @@ class BlockRegions:
 
     def __init__(self, dm: torch.nn.Module, single_blocks: str = "comfyui", compile_blocks=None):
         self._dm = dm
+        _known_records(dm)
         self.shape = None  # the shape key of the call running (set by the runner; per-block packages name it)
         self.loading = None  # the running call's package-load marker (set by the runner; per-block packages use it)
         self._own_single = single_blocks == "fluxaccel"
