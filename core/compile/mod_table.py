@@ -25,6 +25,7 @@ patches at every call run as ComfyUI's Linear, not looked up). Memory: CAPACITY 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import logging
@@ -32,6 +33,7 @@ import time
 
 import torch
 
+from ..models import swaps
 from ..quant.act_quant import _register as register_triton_op
 from .call_graphs import cuda_capture, weight_addresses
 from .single_block import source_hash  # SHA-256 of a class's forward source (how single_block knows its forward)
@@ -46,6 +48,11 @@ KNOWN_MODULATION = {"6d5295cc94526d674d83e3f5063482a4952fce0e956a161ba7172258880
 KNOWN_VECTOR = {"3f5d555d99f0177cfaa7fef829c7a6bf03270e3817f4dcba60a1e35c58cdf8a6": "ComfyUI 0.33.0"}
 _VEC_FIRST, _VEC_LAST = "vec = self.time_in(", "vec = vec + self.vector_in("
 _FUNCTIONS: dict = {}  # timestep_embedding of the model's module, kept by why_not()
+
+
+def _live(key: str, module):
+    """modulations()'s default: the module in the live tree as it is."""
+    return module
 
 
 def _rows_reference(vec, rows, weight, bias, table):
@@ -105,12 +112,12 @@ def vector_lines(forward_orig) -> str:
     return "\n".join(lines[first:last + 1]) if first is not None and last is not None and last > first else ""
 
 
-def why_not(dm: torch.nn.Module, backup: dict | None = None) -> str:
-    """'' if the table can stand in for this diffusion model's block modulations, else why not (in words). backup:
-    the patcher's object_patches_backup (the modules another clone's patches replace in the live tree now)."""
+def why_not(dm: torch.nn.Module, original=_live) -> str:
+    """'' if the table can stand in for this diffusion model's block modulations, else why not (in words).
+    original(key, module): as for modulations()."""
     if _OP is None:
         return UNAVAILABLE
-    mods = modulations(dm, backup)
+    mods = modulations(dm, original)
     if not mods or not all(hasattr(dm, a) for a in ("time_in", "vector_in", "guidance_in", "params")):
         return f"{type(dm).__name__} has no FLUX.1 per-block modulations (FLUX.2 and Chroma modulate otherwise)"
     cls = type(mods[0][1])
@@ -128,15 +135,16 @@ def why_not(dm: torch.nn.Module, backup: dict | None = None) -> str:
     return ""
 
 
-def modulations(dm: torch.nn.Module, backup: dict | None = None) -> list[tuple[str, torch.nn.Module]]:
+def modulations(dm: torch.nn.Module, original=_live) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) of every block modulation of a FLUX.1 model (double blocks' img_mod and txt_mod, single blocks'
-    modulation): ComfyUI's, where `backup` (object_patches_backup) holds the one another clone's patch replaced."""
+    modulation): ComfyUI's. original(key, live module): the module without any clone's object patches (the live tree
+    may hold another clone's; swaps.original)."""
     out = []
     for i, block in enumerate(getattr(dm, "double_blocks", ()) or ()):
         out += [(f"double_blocks.{i}.{a}", getattr(block, a, None)) for a in ("img_mod", "txt_mod")]
     for i, block in enumerate(getattr(dm, "single_blocks", ()) or ()):
         out.append((f"single_blocks.{i}.modulation", getattr(block, "modulation", None)))
-    out = [(name, (backup or {}).get(f"diffusion_model.{name}", m)) for name, m in out]
+    out = [(name, original(f"diffusion_model.{name}", m)) for name, m in out]
     return out if out and all(m is not None and hasattr(m, "lin") for _, m in out) else []
 
 
@@ -368,12 +376,13 @@ class ModTable:
 
 def why_not_here(model, dm: torch.nn.Module) -> str:
     """'' if the table can stand in for this model's block modulations, else why not and what to change."""
-    why = why_not(dm, model.object_patches_backup)
+    original = functools.partial(swaps.original, model)
+    why = why_not(dm, original)
     if why:
         return why
-    mods = modulations(dm, model.object_patches_backup)
+    mods = modulations(dm, original)
     keys = [f"diffusion_model.{name}" for name, _ in mods]
-    fp8 = sorted(k for k in model.object_patches if any(k.startswith(f"{p}.") for p in keys))
+    fp8 = sorted(k for k, _ in swaps.items(model) if any(k.startswith(f"{p}.") for p in keys))
     if fp8:
         return (f"Quantize FP8 quantized its modulation weights ({fp8[0]}, ...; scope 'blocks+modulation'); Quantize "
                 f"FP8's scope 'blocks' keeps them for the table")
@@ -396,10 +405,11 @@ def install(clone, model, dm: torch.nn.Module, device: torch.device) -> ModTable
     """A table for `clone` (a clone of `model` the Compile node made, why_not_here() ''): each block modulation
     swapped for a TableModulation through an object patch (the input model and other branches keep ComfyUI's)."""
     table = ModTable(model.model.model_sampling.timestep, dm.params.vec_in_dim, device)
-    for name, original in modulations(dm, model.object_patches_backup):
+    swapped = {}
+    for name, original in modulations(dm, functools.partial(swaps.original, model)):
         # ComfyUI computes in its manual-cast dtype where it stores weights in another (e.g. bf16 weights on a CPU)
         dtype = getattr(model.model, "manual_cast_dtype", None) or original.lin.weight.dtype
-        m = TableModulation(original, table, device, dtype)
+        swapped[f"diffusion_model.{name}"] = m = TableModulation(original, table, device, dtype)
         table.modules.append(m)
-        clone.add_object_patch(f"diffusion_model.{name}", m)
+    swaps.add(clone, swapped)  # one object patch per block, with the FP8 Linears already swapped there
     return table

@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from ..models import swaps
 from ..models.loaded import foreign_graph_compilers, require_compatible, resident
 from ..quant.linear import takes_pair
 from .config import CompileConfig
@@ -47,7 +48,7 @@ def regional_compiles(model) -> list[str]:
                     keys = [f"? ({keys})"]
                 if keys != ["diffusion_model"]:
                     found.append(f"ComfyUI torch.compile wrapper on {', '.join(keys)}")
-    for key, obj in model.object_patches.items():
+    for key, obj in swaps.items(model):
         if torch_internals.is_compiled_module(obj):
             found.append(f"compiled object patch {key}")
     for name, mod in model.model.diffusion_model.named_modules():
@@ -171,8 +172,9 @@ def model_variant(model) -> str:
     fp8 = st.config.key() if st else None
     if st and static_scales_state(model):  # the activations' quantization is another graph (the scales are inputs)
         fp8 = [*fp8, "static-activation-scales"]
-    swapped = sorted(k for k, v in model.object_patches.items() if isinstance(v, torch.nn.Module))
-    tags = sorted({v.cache_tag for v in model.object_patches.values() if isinstance(getattr(v, "cache_tag", None), str)})
+    patched = swaps.items(model)  # by module key, as FluxAccel's block patches swap them (the cache keys stay)
+    swapped = sorted(k for k, v in patched if isinstance(v, torch.nn.Module))
+    tags = sorted({v.cache_tag for _, v in patched if isinstance(getattr(v, "cache_tag", None), str)})
     return repr((fp8, swapped, *([tags] if tags else [])))
 
 
@@ -193,7 +195,7 @@ def _say_single_blocks_off(compiled: CompiledFlux, model, dm, node: str) -> None
     blocks, cfg = getattr(dm, "single_blocks", None), compiled.cfg
     if not (cfg.block_regions and cfg.single_blocks == "fluxaccel" and blocks):
         return
-    linear2 = model.object_patches.get("diffusion_model.single_blocks.0.linear2")
+    linear2 = swaps.get(model, "diffusion_model.single_blocks.0.linear2")
     if linear2 is None or not takes_pair(linear2, getattr(blocks[0], "hidden_size", -1)):
         return
     why = single_block.known(type(blocks[0]))
@@ -305,6 +307,6 @@ def remove_compile(model):
     clone.remove_wrappers_with_key(_apply_model_type(), COMPILE_KEY)
     clone.remove_callbacks_with_key(on_load_callback_type(), COMPILE_KEY)
     clone.remove_attachments(COMPILE_KEY)
-    for key in [k for k, v in clone.object_patches.items() if isinstance(v, mod_table.TableModulation)]:
-        del clone.object_patches[key]  # ComfyUI's modulations again (the table belongs to the compiled model)
+    # ComfyUI's modulations again (the table belongs to the compiled model)
+    swaps.remove(clone, [k for k, v in swaps.items(clone) if isinstance(v, mod_table.TableModulation)])
     return clone

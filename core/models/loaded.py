@@ -18,6 +18,7 @@ import torch
 
 from ..errors import FluxAccelError
 from ..upstream import comfy_internals
+from . import swaps
 from .resident import is_dynamic, resident  # noqa: F401 -- the resident model, re-exported for the patches
 
 _OURS = ("fluxaccel",)
@@ -87,7 +88,7 @@ def require_compatible(model, dm, node: str, quantized_ok: bool = False) -> None
     if is_dynamic(model):
         raise FluxAccelError(f"{node}: internal error: a dynamic-VRAM model reached FluxAccel without its resident "
                              f"copy; start ComfyUI with --disable-dynamic-vram and report this.")
-    kitchen = [] if quantized_ok else kitchen_quantized(dm, replaced=set(model.object_patches))
+    kitchen = [] if quantized_ok else kitchen_quantized(dm, replaced={k for k, _ in swaps.items(model)})
     if kitchen:
         raise FluxAccelError(
             f"{node}: this model's weights are already quantized by ComfyUI's mixed-precision ops "

@@ -23,6 +23,7 @@ from ..models.loaded import (checkpoint_format, is_checkpoint_quantized, linear_
                            resident)
 from ..env import require_fp8_device, require_torch, require_torchao
 from ..errors import FluxAccelError
+from ..models import swaps
 from ..models.flux import (on_load_callback_type, partial_load_guard, profile, require_bf16_weights, require_flux,
                            require_fully_loaded)
 from .fp8 import DEFAULT_LAYOUT, Fp8Config, linear_weight_bytes, select_linears
@@ -106,16 +107,16 @@ def original_linears(model) -> dict[str, torch.nn.Linear]:
     """The diffusion model's Linears as this patcher would run them without our FP8 patches.
 
     The live module tree may hold another clone's applied object patches; ComfyUI keeps the originals of
-    applied patches in object_patches_backup (shared by all clones of one model), so look there first.
+    applied patches in object_patches_backup (shared by all clones of one model), so look there first (swaps.py).
     """
     out = {}
     for name, live in model.model.diffusion_model.named_modules():
         key = f"diffusion_model.{name}"
-        patched = model.object_patches.get(key)
+        patched = swaps.get(model, key)
         if patched is not None and not _is_ours(patched):
             mod = patched  # someone else's object patch on this clone: quantize what this clone runs
         else:
-            mod = model.object_patches_backup.get(key, live)
+            mod = swaps.original(model, key, live)
         if linear_like(mod) and not _is_ours(mod):
             out[name] = mod
     return out
@@ -364,8 +365,7 @@ def _fuse_activations(model, clone, dm, cfg: Fp8Config, report: Fp8Report) -> li
     """The MLP activations (GELU, FLUX.2's SiLU gate) whose output an FP8 Linear of this clone takes, moved into that
     Linear (an Identity patched in their place): their object-patch keys. The report says how many, and why any was
     kept."""
-    sites, kept = act_fusion.find_sites(dm, lambda name, m: model.object_patches_backup.get(f"diffusion_model.{name}",
-                                                                                            m))
+    sites, kept = act_fusion.find_sites(dm, lambda name, m: swaps.original(model, f"diffusion_model.{name}", m))
     keys = []
     for act, option in (("gelu", "fuse_gelu"), ("silu_gate", "fuse_silu_gate")):
         mine = [site for site in sites if site.act == act]
@@ -389,7 +389,7 @@ def _fuse_sites(clone, sites, kept: dict[str, str], cfg: Fp8Config, act: str, op
         return f"MLP {name} kept separate: {why}", []
     keys = []
     for site in sites:
-        q = clone.object_patches.get(f"diffusion_model.{site.linear}")
+        q = swaps.get(clone, f"diffusion_model.{site.linear}")
         if q is None or not is_fp8_linear(q) or q.fp8_act_kwargs.float8_dtype != torch.float8_e4m3fn:
             kept[site.module] = "the Linear after it is not quantized to float8_e4m3fn"
             continue
@@ -441,6 +441,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     if not report.quantized:
         raise FluxAccelError(f"{node}: no Linear layer matched scope '{cfg.scope}'; choose scope all_linear.")
     fused_keys = _fuse_activations(model, clone, dm, cfg, report)
+    swaps.regroup(clone, (*keys, *fused_keys))  # one object patch per block: ComfyUI re-applies each at every prompt
     # A fresh patches_uuid makes ComfyUI unpatch/move the model when it switches between this clone and
     # another one, so the GPU holds only the weights of the clone being run.
     clone.patches_uuid = uuid.uuid4()
@@ -460,8 +461,7 @@ def remove_fp8(model):
     if prev is None:
         return model
     clone = model.clone()
-    for key in (*prev.keys, *prev.fused_keys):
-        clone.object_patches.pop(key, None)
+    swaps.remove(clone, (*prev.keys, *prev.fused_keys))
     for key, patches in prev.merged_patches.items():
         clone.patches[key] = list(patches)
     clone.remove_callbacks_with_key(on_load_callback_type(), FP8_KEY)

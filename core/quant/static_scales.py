@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import FluxAccelError
+from ..models import swaps
 from .linear import is_fp8_linear
 from .patch import fp8_state
 
@@ -101,7 +102,7 @@ def static_scales_state(model) -> StaticScales | None:
     """The static scales on this model, if its object patches still hold them (remove_fp8 takes them off with the
     FP8 Linears they wrap)."""
     state = model.get_attachment(STATIC_KEY)
-    if state is None or not isinstance(model.object_patches.get(state.keys[0]), StaticFp8Linear):
+    if state is None or not isinstance(swaps.get(model, state.keys[0]), StaticFp8Linear):
         return None
     return state
 
@@ -119,7 +120,7 @@ def _fp8_linears(model, node: str) -> dict[str, torch.nn.Module]:
                              f"activation_scales 'dynamic'.")
     out = {}
     for key in st.keys:
-        obj = model.object_patches.get(key)
+        obj = swaps.get(model, key)
         if isinstance(obj, StaticFp8Linear):
             obj = obj.inner
         if obj is not None and is_fp8_linear(obj):
@@ -131,10 +132,8 @@ def with_observers(model, node: str):
     """(clone, its StaticFp8Linears): a clone of `model` whose FP8 Linears are wrapped, observing until calibrated."""
     linears = _fp8_linears(model, node)
     clone = model.clone()
-    wrappers = {}
-    for key, inner in linears.items():
-        wrappers[key] = StaticFp8Linear(inner)
-        clone.add_object_patch(key, wrappers[key])
+    wrappers = {key: StaticFp8Linear(inner) for key, inner in linears.items()}
+    swaps.add(clone, wrappers)
     # other modules in the live tree than the input's: ComfyUI patches the model again when it switches clones
     clone.patches_uuid = uuid.uuid4()
     return clone, wrappers
@@ -162,10 +161,8 @@ def remove_static_scales(model):
     if state is None:
         return model
     clone = model.clone()
-    for key in state.keys:
-        obj = clone.object_patches.get(key)
-        if isinstance(obj, StaticFp8Linear):
-            clone.add_object_patch(key, obj.inner)
+    inner = {key: obj.inner for key in state.keys if isinstance(obj := swaps.get(clone, key), StaticFp8Linear)}
+    swaps.add(clone, inner)
     clone.remove_attachments(STATIC_KEY)
     clone.patches_uuid = uuid.uuid4()
     return clone

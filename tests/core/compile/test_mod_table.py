@@ -23,6 +23,7 @@ from fluxaccel.core.compile import mod_table
 from fluxaccel.core.compile.config import CompileConfig
 from fluxaccel.core.compile.patch import apply_compile
 from fluxaccel.core.errors import FluxAccelError
+from fluxaccel.core.models import swaps
 from fluxaccel.core.quant.fp8 import Fp8Config
 from fluxaccel.core.quant.patch import apply_fp8
 from support.models import build_flux
@@ -111,7 +112,7 @@ def test_on_is_refused_and_auto_is_off_and_says_why_with_fp8_modulation_weights_
     model, compiled = apply_compile(fp8, CompileConfig())  # "auto": off, said in the node's text and the stats
     assert compiled.runner.mod_table is None and compiled.cfg.modulation_table == "off"
     assert any(d.what == "modulation_table" and "scope 'blocks'" in d.why for d in compiled.stats.degradations)
-    assert not any(isinstance(v, mod_table.TableModulation) for v in model.object_patches.values())
+    assert not any(isinstance(v, mod_table.TableModulation) for _, v in swaps.items(model))
     blocks = apply_fp8(tiny_flux, Fp8Config(scope="blocks", layout="plain"))[0]
     compiled = apply_compile(blocks, CompileConfig())[1]  # "auto" where it can run: on
     assert compiled.runner.mod_table is not None and compiled.cfg.modulation_table == "on"
@@ -135,8 +136,8 @@ def test_sampling_runs_look_up_every_euler_call_and_equal_the_uncompiled_model()
     base = build_flux("tiny", dtype=torch.float32)
     model, compiled = apply_compile(base, CompileConfig(resolution_policy="recompile", modulation_table="on"))
     table = compiled.runner.mod_table
-    assert isinstance(model.object_patches["diffusion_model.single_blocks.1.modulation"], mod_table.TableModulation)
-    assert not any(isinstance(v, mod_table.TableModulation) for v in base.object_patches.values())
+    assert isinstance(swaps.get(model, "diffusion_model.single_blocks.1.modulation"), mod_table.TableModulation)
+    assert not any(isinstance(v, mod_table.TableModulation) for _, v in swaps.items(base))
 
     assert rel_err(_sample(model, seed=1, steps=3), _sample(base, seed=1, steps=3)) < 1e-4
     assert table.counts() | {"build_s": 0} == {"rows_from_table": 3, "rows_computed": 0, "builds": 1, "build_s": 0,
@@ -295,8 +296,8 @@ def test_compiled_again_or_while_another_clones_table_is_loaded_and_removed_with
         assert all(type(t.lin).__name__ == "Linear" for t in c.runner.mod_table.modules)
         assert not c.stats.degradations
     plain = remove_compile(again)
-    assert not any(isinstance(v, mod_table.TableModulation) for v in plain.object_patches.values())
-    assert isinstance(again.object_patches["diffusion_model.single_blocks.0.modulation"], mod_table.TableModulation)
+    assert not any(isinstance(v, mod_table.TableModulation) for _, v in swaps.items(plain))
+    assert isinstance(swaps.get(again, "diffusion_model.single_blocks.0.modulation"), mod_table.TableModulation)
 
 
 @needs_read

@@ -8,6 +8,7 @@ from fluxaccel.core.compile import skeleton
 from fluxaccel.core.quant.fp8 import Fp8Config
 from fluxaccel.core.quant.linear import fp8_class_origin, is_fp8_linear
 from fluxaccel.core.quant.patch import apply_fp8
+from fluxaccel.core.models import swaps
 
 
 def _layout(m: torch.nn.Module) -> list:
@@ -49,7 +50,7 @@ def test_call_inputs_keep_their_layout_and_grad_flags():
 
 def test_what_cannot_be_rebuilt_is_named(cpu_fp8, tiny_flux):
     q, _ = apply_fp8(tiny_flux, Fp8Config("per_row", layout="subclass"))
-    lin = q.object_patches["diffusion_model.double_blocks.0.img_attn.qkv"]
+    lin = swaps.get(q, "diffusion_model.double_blocks.0.img_attn.qkv")
     with pytest.raises(skeleton.NotPortable, match="Float8Tensor"):
         skeleton.dumps(lin)
 

@@ -9,6 +9,7 @@ from fluxaccel.core.compile.patch import apply_compile, compiled_of
 from fluxaccel.core.errors import FluxAccelError
 from support.models import synthetic_conditioning
 from fluxaccel.core.compile.warmup import parse_resolutions, warmup
+from fluxaccel.core.models import swaps
 from support.runs import clear_compile_counters, compiled_graphs
 
 
@@ -144,8 +145,8 @@ def test_static_activation_scales_are_calibrated_then_compiled_on_their_own(cpu_
     keys = fp8_state(q).keys
     assert state is not None and state.keys == keys and state.dynamic == ()
     assert "128x128" in state.calibration or "16x16" in state.calibration
-    assert all(isinstance(model.object_patches[k], StaticFp8Linear) for k in keys)
-    assert all(upstream.object_patches[k] is model.object_patches[k].inner for k in keys), "wrapped, not copied"
+    assert all(isinstance(swaps.get(model, k), StaticFp8Linear) for k in keys)
+    assert all(swaps.get(upstream, k) is swaps.get(model, k).inner for k in keys), "wrapped, not copied"
     assert static_scales_state(upstream) is None and compiled.stats.shapes == [] and compiled.stats.calls == 0
     mine = compiled_of(model)
     assert mine is not compiled and mine.runner is not compiled.runner and mine.cfg == compiled.cfg

@@ -7,6 +7,7 @@ from fluxaccel.core.quant import act_fusion
 from fluxaccel.core.quant.fp8 import Fp8Config
 from fluxaccel.core.quant.patch import apply_fp8, fp8_state, remove_fp8
 from fluxaccel.core.quant.static_scales import StaticFp8Linear
+from fluxaccel.core.models import swaps
 from support.runs import denoise_once, flux_inputs, forward
 
 
@@ -64,7 +65,7 @@ def test_fused_computes_what_unfused_does_and_remove_fp8_restores_the_gelus(cpu_
     assert len(_gelus(plain)) == 6
     back = remove_fp8(fused)
     forward(back, inputs)
-    assert len(_gelus(back)) == 6 and not any(k in back.object_patches for k in fp8_state(fused).fused_keys)
+    assert len(_gelus(back)) == 6 and not any(swaps.get(back, k) for k in fp8_state(fused).fused_keys)
 
 
 @pytest.mark.parametrize("cfg, why", [(Fp8Config("per_tensor"), "per_tensor activation scales need the whole"),
@@ -87,7 +88,7 @@ def _static_case(model, widen: int, activation):
     (x, the activated row, the range it recorded). With its scale set it must equal the unfused Linear on the
     activated row with the same static scale (asserted here)."""
     fused, _ = apply_fp8(model, Fp8Config("per_row"))
-    inner = fused.object_patches["diffusion_model.double_blocks.0.img_mlp.2"]
+    inner = swaps.get(fused, "diffusion_model.double_blocks.0.img_mlp.2")
     w = StaticFp8Linear(inner)
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(1, 8, widen * inner.in_features, generator=g) * 3).to(torch.bfloat16)

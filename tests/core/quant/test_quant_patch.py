@@ -7,6 +7,7 @@ from fluxaccel.core.quant.fp8 import Fp8Config, is_fp8_weight
 from fluxaccel.core.quant.linear import is_fp8_linear
 from fluxaccel.core.quant.patch import FP8_KEY, apply_fp8, fp8_state, remove_fp8
 from fluxaccel.core.bench.metrics import rel_err, sqnr_db
+from fluxaccel.core.models import swaps
 from support.runs import flux_inputs, forward, sample
 
 # Whole tiny-FLUX forward vs bf16: see tests/core/test_fp8.py for why 8% bounds FP8 e4m3 (SQNR >= 22 dB).
@@ -99,7 +100,7 @@ def test_steady_state_holds_only_fp8_copies(cpu_fp8, tiny_flux, layout):
         lin = dm.get_submodule(name)
         assert is_fp8_linear(lin) and is_fp8_weight(lin.weight) == (layout == "subclass")
         assert (lin.weight.qdata if layout == "subclass" else lin.weight).dtype == torch.float8_e4m3fn
-        backup = q.object_patches_backup[f"diffusion_model.{name}"]
+        backup = swaps.original(q, f"diffusion_model.{name}")
         assert backup.weight.dtype == torch.bfloat16 and backup.weight.device == q.offload_device
     live_bytes = sum(p.qdata.numel() + p.scale.numel() * 4 if is_fp8_weight(p) else p.numel() * p.element_size()
                      for p in dm.parameters())

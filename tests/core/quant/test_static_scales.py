@@ -9,6 +9,7 @@ from fluxaccel.core.quant.linear import is_fp8_linear, quantize_linear
 from fluxaccel.core.quant.patch import apply_fp8, fp8_state, remove_fp8
 from fluxaccel.core.quant.static_scales import (STATIC_KEY, StaticFp8Linear, StaticScalesConfig, calibrate,
                                                 remove_static_scales, static_scales_state, with_observers)
+from fluxaccel.core.models import swaps
 
 
 def _linear(granularity: str, k: int = 64, n: int = 96):
@@ -114,18 +115,18 @@ def test_wrapping_a_quantized_model_leaves_its_input_as_it_was(cpu_fp8, tiny_flu
 
     q, _ = apply_fp8(tiny_flux, Fp8Config("per_row", layout="plain"))
     keys = fp8_state(q).keys
-    before = {k: q.object_patches[k] for k in keys}
+    before = {k: swaps.get(q, k) for k in keys}
     clone, wrappers = with_observers(q, "test")
     assert set(wrappers) == set(keys) and clone.patches_uuid != q.patches_uuid
-    assert all(clone.object_patches[k].inner is before[k] for k in keys)
+    assert all(swaps.get(clone, k).inner is before[k] for k in keys)
     state = calibrate(clone, wrappers, StaticScalesConfig(), lambda: sample(clone, steps=2), "test run")
     assert static_scales_state(clone) is state and state.dynamic == () and state.keys == tuple(keys)
     assert all(torch.isfinite(w.act_scale).all() and (w.act_scale > 0).all() for w in wrappers.values())
     assert "static FP8 activation scales on 20 of 20 Linears" in state.summary()
-    assert {k: q.object_patches[k] for k in keys} == before and q.get_attachment(STATIC_KEY) is None
+    assert {k: swaps.get(q, k) for k in keys} == before and q.get_attachment(STATIC_KEY) is None
     assert all(is_fp8_linear(m) for m in before.values())
     back = remove_static_scales(clone)
-    assert static_scales_state(back) is None and all(back.object_patches[k] is before[k] for k in keys)
+    assert static_scales_state(back) is None and all(swaps.get(back, k) is before[k] for k in keys)
     assert static_scales_state(remove_fp8(clone)) is None, "remove_fp8 takes the wrappers with the FP8 Linears"
 
 
