@@ -163,48 +163,65 @@ def _linear_into(out: torch.Tensor, x: torch.Tensor, lin: torch.nn.Module) -> No
         torch.addmm(lin.bias.to(x.dtype), x, weight, out=out)
 
 
-class Gemms:
-    """The build's GEMMs: SiLU(vec) rows times each modulation's weights, into its values. On a GPU, one CUDA graph of
-    all of them over CAPACITY rows: one launch where 76 cost 3-7 ms of host time before the run's first call could
-    start. Captured at the first build, and again where ComfyUI has moved the weights (the graph reads the addresses
-    it captured). Elsewhere, or after a failed capture (said once, in the stats too), one GEMM at a time."""
+def _rows_through(dm: torch.nn.Module, modules: list, rows: tuple, dtype: torch.dtype) -> None:
+    """The build's device work for `rows` ((timesteps, y rows or None, guidance rows or None)): their vectors, SiLU,
+    and each modulation's GEMM into the first rows of its values."""
+    s = torch.nn.functional.silu(vectors(dm, *rows, dtype)).to(modules[0].values.dtype)
+    for m in modules:
+        _linear_into(m.values[:s.shape[0]], s, m.lin)
+
+
+def _weights_read(dm: torch.nn.Module, modules: list) -> tuple:
+    """Where the weights the build reads are: the vector MLPs' and the modulations'."""
+    mlps = [getattr(dm, a, None) for a in ("time_in", "guidance_in", "vector_in")]
+    return tuple(a for m in (*mlps, *(m.lin for m in modules)) if m is not None for a in weight_addresses(m))
+
+
+class BuildGraph:
+    """The build's device work (_rows_through: the vector MLPs of its rows, then one GEMM per modulation) as one CUDA
+    graph over CAPACITY rows on a GPU: one launch where ~120 cost 3-7 ms of host time before the run's first call
+    could start. Captured at the first build, and again where ComfyUI has moved the weights (the graph reads the
+    addresses it captured) or the rows come in other dtypes. Elsewhere, or after a failed capture (said once, in the
+    stats too), op by op."""
 
     def __init__(self, capture=None):
-        self.capture, self.graph, self.weights, self.rows, self.captures, self.failed = capture, None, (), None, 0, ""
+        self.capture, self.graph, self.weights, self.inputs, self.layout = capture, None, (), None, None
+        self.captures, self.failed = 0, ""
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "graph": None, "weights": (), "rows": None}  # a graph stays in its process
+        return {**self.__dict__, "graph": None, "weights": (), "inputs": None, "layout": None}  # stays in its process
 
-    def __call__(self, modules: list, s: torch.Tensor, n: int) -> None:
+    def __call__(self, dm: torch.nn.Module, modules: list, rows: tuple, dtype: torch.dtype) -> None:
         if self.capture is None or self.failed:
-            for m in modules:
-                _linear_into(m.values[:n], s, m.lin)
+            _rows_through(dm, modules, rows, dtype)
             return
-        weights = tuple(a for m in modules for a in weight_addresses(m.lin))  # what the graph reads
-        if self.graph is None or weights != self.weights or (self.rows.dtype, self.rows.shape[1]) != \
-                (s.dtype, s.shape[1]):
-            if not self._captured(modules, s, weights):
-                return self(modules, s, n)
-        self.rows[:n].copy_(s)
+        layout = (dtype, *(None if r is None else (r.dtype, tuple(r.shape[1:]), r.device) for r in rows))
+        weights = _weights_read(dm, modules)
+        if self.graph is None or weights != self.weights or layout != self.layout:
+            if not self._captured(dm, modules, rows, dtype, weights, layout):
+                return self(dm, modules, rows, dtype)
+        for static, r in zip(self.inputs, rows):
+            if r is not None:
+                static[:r.shape[0]].copy_(r)
         self.graph.replay()
 
-    def _captured(self, modules: list, s: torch.Tensor, weights: tuple) -> bool:
-        self.graph, self.rows = None, torch.zeros((CAPACITY, s.shape[1]), dtype=s.dtype, device=s.device)
+    def _captured(self, dm, modules: list, rows: tuple, dtype, weights: tuple, layout: tuple) -> bool:
+        self.graph = None
+        self.inputs = tuple(None if r is None else torch.zeros((CAPACITY, *r.shape[1:]), dtype=r.dtype, device=r.device)
+                            for r in rows)  # rows past a run's own keep finite values; their keys never match
 
         def run():
-            for m in modules:
-                _linear_into(m.values, self.rows, m.lin)
-            return self.rows
+            _rows_through(dm, modules, self.inputs, dtype)
 
         try:
-            run()  # the GEMMs' first launch of these shapes (cuBLAS's setup), outside the capture
+            run()  # the first launch of these shapes (cuBLAS's setup), outside the capture
             self.graph, _ = self.capture(run)
-        except Exception as e:  # noqa: BLE001 -- said, and its GEMMs run one at a time from then on
+        except Exception as e:  # noqa: BLE001 -- said, and its work runs op by op from then on
             self.failed = f"{type(e).__name__}: {e}"[:300]
-            log.warning("FluxAccel: modulation table: its build could not be captured in a CUDA graph (%s); its "
-                        "GEMMs run one at a time (a few ms more host work per sampling run)", self.failed)
+            log.warning("FluxAccel: modulation table: its build could not be captured in a CUDA graph (%s); it runs "
+                        "op by op (a few ms more host work per sampling run)", self.failed)
             return False
-        self.weights, self.captures = weights, self.captures + 1
+        self.weights, self.layout, self.captures = weights, layout, self.captures + 1
         return True
 
 
@@ -264,7 +281,7 @@ class ModTable:
         self.looked, self.builds, self.build_s, self.short, self.patched = 0, 0, 0.0, "", False
         self.run, self.layout = None, None  # the sample_sigmas the table holds, and its first call's batch layout
         self.per_call = False  # whether the run's modulation weights are patched at every call (not looked up)
-        self.gemms = Gemms(cuda_capture if torch.device(device).type == "cuda" else None)
+        self.builder = BuildGraph(cuda_capture if torch.device(device).type == "cuda" else None)
 
     def __getstate__(self) -> dict:
         """Pickled (a separate compile process rebuilds the model from its skeleton) without the sigma-to-timestep
@@ -321,8 +338,7 @@ class ModTable:
         t = ts[:steps].repeat_interleave(batch)  # row r: sigma r // batch, batch entry r % batch
         y_rows = None if y is None else y[:, :self.y_width].repeat(steps, 1)
         g_rows = None if guidance is None else guidance.flatten().repeat(steps)
-        s = torch.nn.functional.silu(vectors(dm, t, y_rows, g_rows, dtype)).to(self.modules[0].values.dtype)
-        self.gemms(self.modules, s, n)  # one GEMM of n rows per modulation: its weights read once for the whole run
+        self.builder(dm, self.modules, (t, y_rows, g_rows), dtype)  # one GEMM per modulation: weights read once a run
         for keys, rows in ((self.t_keys, t), (self.g_keys, g_rows), (self.y_keys, y_rows)):
             keys.fill_(float("nan"))
             if rows is not None:
@@ -369,8 +385,8 @@ class ModTable:
         """The stats' figures (reads the device's counter)."""
         hits, computed = self._so_far()
         return {"rows_from_table": hits, "rows_computed": computed, "builds": self.builds,
-                "build_s": round(self.build_s, 3), "build_graphs": self.gemms.captures,
-                "build_graph_failed": self.gemms.failed, "capacity_rows": CAPACITY, "short": self.short,
+                "build_s": round(self.build_s, 3), "build_graphs": self.builder.captures,
+                "build_graph_failed": self.builder.failed, "capacity_rows": CAPACITY, "short": self.short,
                 "patched_per_call": self.patched}
 
 

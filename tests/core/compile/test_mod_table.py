@@ -223,32 +223,37 @@ def _stand_in_capture(run):
 
 
 @needs_read
-def test_the_builds_gemms_are_one_graph_captured_again_where_the_weights_moved_and_a_failure_is_said(caplog):
-    """The build's GEMMs through a capture (a stand-in on the CPU): captured at the first build, replayed by the next
-    run's, captured again once ComfyUI has moved a weight; a capture that fails is said and the GEMMs run one by one.
-    Every run equals the uncompiled model's."""
+def test_the_build_is_one_graph_captured_again_where_the_weights_moved_and_a_failure_is_said(caplog):
+    """The build's vector MLPs and GEMMs through a capture (a stand-in on the CPU): captured at the first build,
+    replayed by the next run's with that run's rows, captured again once ComfyUI has moved a modulation's or a vector
+    MLP's weight; a capture that fails is said and the build runs op by op. Every run equals the uncompiled model's."""
     base = build_flux("tiny", dtype=torch.float32)
     model, compiled = apply_compile(base, CompileConfig(resolution_policy="recompile", modulation_table="on"))
     table, _Replay.replays = compiled.runner.mod_table, 0
-    table.gemms = mod_table.Gemms(_stand_in_capture)
-    ref = _sample(base, seed=1, steps=3)
+    table.builder = mod_table.BuildGraph(_stand_in_capture)
+    ref, other = _sample(base, seed=1, steps=3), _sample(base, seed=1, steps=4)
     for runs, captures in ((1, 1), (2, 1)):
         assert rel_err(_sample(model, seed=1, steps=3), ref) < 1e-4
-        assert (table.builds, table.gemms.captures, _Replay.replays) == (runs, captures, runs)
-    lin = table.modules[5].lin
-    lin.weight.data = lin.weight.data.clone()  # the same weights elsewhere, as after ComfyUI moved them
-    assert rel_err(_sample(model, seed=1, steps=3), ref) < 1e-4 and table.gemms.captures == 2
-    pickled = pickle.loads(pickle.dumps(table.gemms))  # a separate compile process gets no graph of this one's
-    assert (pickled.graph, pickled.rows, pickled.weights, pickled.captures) == (None, None, (), 2)
+        assert (table.builds, table.builder.captures, _Replay.replays) == (runs, captures, runs)
+    assert rel_err(_sample(model, seed=1, steps=4), other) < 1e-4, "another run's sigmas through the same graph"
+    assert table.builder.captures == 1 and _Replay.replays == 3
+    for lin in (table.modules[5].lin, model.model.diffusion_model.time_in.in_layer):
+        lin.weight.data = lin.weight.data.clone()  # the same weights elsewhere, as after ComfyUI moved them
+    assert rel_err(_sample(model, seed=1, steps=3), ref) < 1e-4 and table.builder.captures == 2
+    time_in = model.model.diffusion_model.time_in.out_layer
+    time_in.weight.data = time_in.weight.data.clone()
+    assert rel_err(_sample(model, seed=1, steps=3), ref) < 1e-4 and table.builder.captures == 3
+    pickled = pickle.loads(pickle.dumps(table.builder))  # a separate compile process gets no graph of this one's
+    assert (pickled.graph, pickled.inputs, pickled.weights, pickled.captures) == (None, None, (), 3)
 
     def refused(run):
         raise RuntimeError("capture refused")
 
-    table.gemms = mod_table.Gemms(refused)
+    table.builder = mod_table.BuildGraph(refused)
     assert rel_err(_sample(model, seed=1, steps=3), ref) < 1e-4
     assert "its build could not be captured in a CUDA graph (RuntimeError: capture refused)" in caplog.text
     assert table.counts()["build_graph_failed"] == "RuntimeError: capture refused"
-    assert table.counts()["rows_from_table"] == 4 * 3 and table.counts()["rows_computed"] == 0
+    assert table.counts()["rows_from_table"] == 5 * 3 + 4 and table.counts()["rows_computed"] == 0
 
 
 @needs_read
