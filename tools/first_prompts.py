@@ -78,6 +78,9 @@ CONFIGS = {
     "modtable": fluxaccel(modulation_table="on"),
     "fp8attn-modtable": fluxaccel(attention="fp8", modulation_table="on"),
     "fluxaccel-notable": fluxaccel(modulation_table="off"),
+    # the default with its module swaps as one object patch per module instead of per block (needs --split: the node
+    # is tools/prompt_split_node's)
+    "fluxaccel-per-module": [*fluxaccel(), ("10", "FluxAccelPerModulePatches", {})],
     "fp8attn-notable": fluxaccel(attention="fp8", modulation_table="off"),
     # the per-step levers together: coordinate-descent tuning and FP8 attention, then FP8 modulation weights too
     "tuned-fp8attn": fluxaccel(mode="tuned-kernels", attention="fp8"),
@@ -195,6 +198,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if (a.profile or a.profile_extra) and not a.split:
         ap.error("--profile and --profile-extra need --split (the profiles are taken inside the server)")
+    if "fluxaccel-per-module" in a.configs and not a.split:
+        ap.error("fluxaccel-per-module needs --split (its node is tools/prompt_split_node's)")
     logging.basicConfig(level=logging.INFO, format="[fluxaccel] %(message)s")
     import torch
 

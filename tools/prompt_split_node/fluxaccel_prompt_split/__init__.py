@@ -1,6 +1,7 @@
 """A ComfyUI custom node package of FluxAccel's tools, never of the plugin: loaded only by servers that
-tools/comfy_server.py starts with prompt_split set. It adds no node; it times where each prompt's time goes, inside
-the server, and appends one JSON line per prompt to the file named by FLUXACCEL_PROMPT_SPLIT:
+tools/comfy_server.py starts with prompt_split set. It times where each prompt's time goes, inside the server, and
+appends one JSON line per prompt to the file named by FLUXACCEL_PROMPT_SPLIT (its one node, FluxAccelPerModulePatches,
+is for an A/B of how FluxAccel lays out its object patches; see PerModulePatches):
 
 - prompt_s: PromptExecutor.execute_async, host wall time (what ComfyUI's execution_start → execution_success spans);
 - nodes_s: each node class's host time in execution.execute (cached nodes included: their lookup);
@@ -34,8 +35,43 @@ import os
 import re
 import time
 
-NODE_CLASS_MAPPINGS: dict = {}
 log = logging.getLogger("fluxaccel.prompt_split")
+
+
+def _swaps():
+    """The plugin's core.models.swaps as the server loaded it (under the plugin folder's name; importing it again as
+    `fluxaccel` would make a second copy of core)."""
+    import sys
+
+    return next(m for n, m in list(sys.modules.items()) if n.endswith(".core.models.swaps"))
+
+
+class PerModulePatches:
+    """A clone of the model with FluxAccel's block patches laid out again as one object patch per swapped module, as
+    FluxAccel patched before it grouped them per block: the same modules run, ComfyUI re-applies more patches at every
+    prompt. For the same-server A/B of the two layouts (tools/first_prompts.py's `fluxaccel-per-module`)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",)}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "run"
+    CATEGORY = "FluxAccel/tools"
+
+    def run(self, model):
+        swapped_in = _swaps().swapped_in
+        clone = model.clone()
+        for key, obj in list(clone.object_patches.items()):
+            inside = swapped_in(obj)
+            if inside is not None:
+                del clone.object_patches[key]
+                for name, module in inside.items():
+                    clone.add_object_patch(f"{key}.{name}", module)
+        return (clone,)
+
+
+NODE_CLASS_MAPPINGS: dict = {"FluxAccelPerModulePatches": PerModulePatches}
 
 
 class _Prompt:

@@ -1,0 +1,35 @@
+"""tools/prompt_split_node's FluxAccelPerModulePatches (the bench's A/B of the object-patch layout): the same modules
+as FluxAccel's block patches, one object patch per module, and ComfyUI re-applies that many at every prompt."""
+import sys
+
+import torch
+
+from conftest import ROOT
+from fluxaccel.core.compile.config import CompileConfig
+from fluxaccel.core.compile.patch import apply_compile
+from fluxaccel.core.models import swaps
+from fluxaccel.core.quant.fp8 import Fp8Config
+from fluxaccel.core.quant.patch import apply_fp8
+from support.runs import flux_inputs, forward
+
+
+def test_the_per_module_layout_runs_the_same_modules_with_a_patch_each(cpu_fp8, tiny_flux, monkeypatch):
+    import comfy.model_management as mm
+    import comfy.utils
+
+    sys.path.insert(0, str(ROOT / "tools" / "prompt_split_node"))
+    from fluxaccel_prompt_split import NODE_CLASS_MAPPINGS
+
+    inputs = flux_inputs(tiny_flux.model.diffusion_model)
+    grouped = apply_compile(apply_fp8(tiny_flux, Fp8Config())[0], CompileConfig(modulation_table="on"))[0]
+    (per_module,) = NODE_CLASS_MAPPINGS["FluxAccelPerModulePatches"]().run(grouped)
+    assert dict(swaps.items(per_module)) == dict(swaps.items(grouped))
+    assert set(per_module.object_patches) == {k for k, _ in swaps.items(grouped)}
+    assert len(per_module.object_patches) > len(grouped.object_patches) == 4  # tiny FLUX: 2 double, 2 single blocks
+    mm.load_models_gpu([per_module])
+    calls, set_attr = [], comfy.utils.set_attr
+    monkeypatch.setattr(comfy.utils, "set_attr", lambda *a, **k: calls.append(a[1]) or set_attr(*a, **k))
+    mm.load_models_gpu([per_module])
+    assert len(calls) == 2 * len(per_module.object_patches)
+    monkeypatch.setattr(comfy.utils, "set_attr", set_attr)
+    assert torch.equal(forward(per_module, inputs), forward(grouped, inputs))
