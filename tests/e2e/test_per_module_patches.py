@@ -10,13 +10,10 @@ from fluxaccel.core.compile.patch import apply_compile
 from fluxaccel.core.models import swaps
 from fluxaccel.core.quant.fp8 import Fp8Config
 from fluxaccel.core.quant.patch import apply_fp8
-from support.runs import flux_inputs, forward
+from support.runs import flux_inputs, forward, repatches_per_prompt
 
 
 def test_the_per_module_layout_runs_the_same_modules_with_a_patch_each(cpu_fp8, tiny_flux, monkeypatch):
-    import comfy.model_management as mm
-    import comfy.utils
-
     sys.path.insert(0, str(ROOT / "tools" / "prompt_split_node"))
     from fluxaccel_prompt_split import NODE_CLASS_MAPPINGS
 
@@ -26,10 +23,5 @@ def test_the_per_module_layout_runs_the_same_modules_with_a_patch_each(cpu_fp8, 
     assert dict(swaps.items(per_module)) == dict(swaps.items(grouped))
     assert set(per_module.object_patches) == {k for k, _ in swaps.items(grouped)}
     assert len(per_module.object_patches) > len(grouped.object_patches) == 4  # tiny FLUX: 2 double, 2 single blocks
-    mm.load_models_gpu([per_module])
-    calls, set_attr = [], comfy.utils.set_attr
-    monkeypatch.setattr(comfy.utils, "set_attr", lambda *a, **k: calls.append(a[1]) or set_attr(*a, **k))
-    mm.load_models_gpu([per_module])
-    assert len(calls) == 2 * len(per_module.object_patches)
-    monkeypatch.setattr(comfy.utils, "set_attr", set_attr)
+    assert repatches_per_prompt(monkeypatch, per_module) == 2 * len(per_module.object_patches)
     assert torch.equal(forward(per_module, inputs), forward(grouped, inputs))

@@ -102,3 +102,17 @@ g = torch.Generator().manual_seed(0)
 x = torch.randn(1, 16, 16, 16, generator=g).bfloat16(); ctx = torch.randn(1, 16, 64, generator=g).bfloat16()
 y = torch.randn(1, 64, generator=g).bfloat16(); t = torch.tensor([0.5]); gd = torch.tensor([3.5]).bfloat16()
 """
+
+
+def repatches_per_prompt(monkeypatch, model) -> int:
+    """comfy.utils.set_attr calls of one load_models_gpu of an already loaded model, as every prompt after the first
+    makes it (ComfyUI 0.33 undoes and redoes each object patch)."""
+    import comfy.model_management as mm
+    import comfy.utils
+
+    mm.load_models_gpu([model])
+    calls, set_attr = [], comfy.utils.set_attr
+    monkeypatch.setattr(comfy.utils, "set_attr", lambda *a, **k: calls.append(a[1]) or set_attr(*a, **k))
+    mm.load_models_gpu([model])
+    monkeypatch.setattr(comfy.utils, "set_attr", set_attr)
+    return len(calls)

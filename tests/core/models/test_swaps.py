@@ -12,7 +12,7 @@ from fluxaccel.core.models import swaps
 from fluxaccel.core.quant.fp8 import Fp8Config
 from fluxaccel.core.quant.linear import is_fp8_linear
 from fluxaccel.core.quant.patch import apply_fp8, fp8_state, remove_fp8
-from support.runs import flux_inputs, forward
+from support.runs import flux_inputs, forward, repatches_per_prompt
 
 TABLE = CompileConfig(cuda_graphs=False, modulation_table="on", warm_start=False)
 
@@ -20,20 +20,6 @@ TABLE = CompileConfig(cuda_graphs=False, modulation_table="on", warm_start=False
 def _block_keys(model) -> set[str]:
     dm = model.model.diffusion_model
     return {f"diffusion_model.{kind}.{i}" for kind in swaps.BLOCK_LISTS for i in range(len(getattr(dm, kind)))}
-
-
-def _set_attr_calls(monkeypatch, model) -> int:
-    """comfy.utils.set_attr calls of one load_models_gpu of an already loaded model (as every prompt after the
-    first makes it)."""
-    import comfy.model_management as mm
-    import comfy.utils
-
-    mm.load_models_gpu([model])
-    calls, set_attr = [], comfy.utils.set_attr
-    monkeypatch.setattr(comfy.utils, "set_attr", lambda *a, **k: calls.append(a[1]) or set_attr(*a, **k))
-    mm.load_models_gpu([model])
-    monkeypatch.setattr(comfy.utils, "set_attr", set_attr)
-    return len(calls)
 
 
 def test_quantize_and_compile_patch_each_block_once_and_comfyui_reapplies_only_those(cpu_fp8, tiny_flux,
@@ -45,8 +31,8 @@ def test_quantize_and_compile_patch_each_block_once_and_comfyui_reapplies_only_t
     assert {k for k, _ in swaps.items(q)} == swapped and len(swapped) > len(q.object_patches)
     table = {k for k, v in swaps.items(c) if isinstance(v, mod_table.TableModulation)}
     assert {k for k, _ in swaps.items(c)} == swapped | table and len(table) == 2 * 2 + 2
-    assert _set_attr_calls(monkeypatch, c) == 2 * len(_block_keys(tiny_flux)), "undone and redone: one per block"
-    assert _set_attr_calls(monkeypatch, tiny_flux) == 0
+    assert repatches_per_prompt(monkeypatch, c) == 2 * len(_block_keys(tiny_flux)), "undone and redone: one per block"
+    assert repatches_per_prompt(monkeypatch, tiny_flux) == 0
 
 
 def test_a_block_copy_shares_every_module_and_weight_it_does_not_swap(cpu_fp8, tiny_flux):
