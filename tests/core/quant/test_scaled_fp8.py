@@ -4,7 +4,7 @@ here in that format from the e2e bf16 file and loaded by ComfyUI's own loader (c
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import COMFY_VERSION, ROOT
 from fluxaccel.core.models import loaded as comfy_compat
 from fluxaccel.core.compile.config import CompileConfig
 from fluxaccel.core.compile.patch import apply_compile
@@ -15,6 +15,10 @@ from support.runs import denoise_once
 from fluxaccel.core.bench.metrics import rel_err
 
 MODELS = ROOT / ".cache" / "models" / "diffusion_models"
+# 0.3.75's detection takes FLUX.1's 24 heads whatever the file's width (the test file is 256 wide), and it has no
+# mixed-precision loader
+pytestmark = pytest.mark.skipif(COMFY_VERSION == "0.3.75", reason="ComfyUI 0.3.75 loads only 3072-wide FLUX files "
+                                "and has no mixed-precision (scaled-FP8) loader")
 BF16 = {"dtype": torch.bfloat16}  # the mixed-precision model computes in float32 on the CPU otherwise
 
 
