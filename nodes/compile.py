@@ -5,7 +5,7 @@ from ..core.compile.config import (ATTENTIONS, GRAPH_CAPTURES, MODES, MODULATION
 from ..core.compile.patch import apply_compile
 from . import ids
 from .events import compiled_notifier, progress_text
-from .validation import refuse_unknown_inputs
+from .validation import accept_all_inputs, refuse_unknown_inputs
 
 
 class Compile(io.ComfyNode):
@@ -94,7 +94,7 @@ class Compile(io.ComfyNode):
             ],
             outputs=[io.Model.Output(tooltip="The model, compiled on first use; the input model is unchanged.")],
             hidden=[io.Hidden.unique_id],
-            accept_all_inputs=True,  # so that an input this node no longer has is refused by name, not dropped
+            **accept_all_inputs(io.Schema, "Compile"),  # an input this node no longer has: refused by name
         )
 
     @classmethod

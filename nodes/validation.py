@@ -4,7 +4,12 @@ own checks: an input named in validate_inputs is not checked by ComfyUI, and a f
 against every input it takes, so each node validates at most the one input ComfyUI cannot (Warmup's resolutions)."""
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 from ..core.errors import FluxAccelError
+
+log = logging.getLogger("fluxaccel.nodes")
 
 
 def parses(fn, value) -> bool | str:
@@ -32,3 +37,20 @@ def refuse_unknown_inputs(unknown: dict) -> None:
     if named:
         raise FluxAccelError(" ".join(RETIRED.get(k, f"This node has no input {k!r} (set to {v!r}); remove it from "
                                                        f"the workflow.") for k, v in named.items()))
+
+
+def accept_all_inputs(schema_class, node: str) -> dict:
+    """The schema option that hands this node every input a prompt gives it ({"accept_all_inputs": True}), so that
+    refuse_unknown_inputs sees inputs the node no longer has; {} where this ComfyUI's node schema has no such option
+    (0.3.75), said once per node: ComfyUI then drops such inputs before the node sees them."""
+    fields = {f.name for f in dataclasses.fields(schema_class)} if dataclasses.is_dataclass(schema_class) else set()
+    if "accept_all_inputs" in fields:
+        return {"accept_all_inputs": True}
+    if node not in _SAID:
+        _SAID.add(node)
+        log.warning("FluxAccel: this ComfyUI's node schema has no accept_all_inputs: inputs the %s node no longer has "
+                    "(e.g. clear_cache in an old workflow) are dropped by ComfyUI without a message", node)
+    return {}
+
+
+_SAID: set[str] = set()  # the nodes accept_all_inputs has said it of

@@ -28,6 +28,31 @@ def test_an_input_the_node_does_not_have_is_named():
         refuse_unknown_inputs({"max_shape": 3})
 
 
+def test_the_compile_schema_accepts_all_inputs_where_comfyui_has_the_option_and_says_so_where_not(caplog):
+    """ComfyUI 0.33's node schema has accept_all_inputs; 0.3.75's has not (its Schema without the field): the node
+    then loads without it and the log says, once, that ComfyUI drops inputs the node no longer has."""
+    import dataclasses
+    import logging
+
+    from comfy_api.latest import io
+    from fluxaccel.nodes.compile import Compile
+    from fluxaccel.nodes.validation import accept_all_inputs
+
+    has_it = "accept_all_inputs" in {f.name for f in dataclasses.fields(io.Schema)}
+    assert Compile.define_schema().accept_all_inputs if has_it else True
+    assert accept_all_inputs(io.Schema, "Compile") == ({"accept_all_inputs": True} if has_it else {})
+
+    @dataclasses.dataclass
+    class OlderSchema:  # a node schema of a ComfyUI without the option
+        node_id: str = ""
+
+    with caplog.at_level(logging.WARNING, logger="fluxaccel.nodes"):
+        assert accept_all_inputs(OlderSchema, "Test") == {} and accept_all_inputs(OlderSchema, "Test") == {}
+    said = [r.getMessage() for r in caplog.records if "the Test node" in r.getMessage()]
+    assert said == ["FluxAccel: this ComfyUI's node schema has no accept_all_inputs: inputs the Test node no longer "
+                    "has (e.g. clear_cache in an old workflow) are dropped by ComfyUI without a message"]
+
+
 def test_degradations_reach_the_badge_and_the_description(tiny_flux, cpu_fp8):
     from fluxaccel.core.compile.config import CompileConfig
     from fluxaccel.core.compile.patch import apply_compile
