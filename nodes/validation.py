@@ -39,6 +39,9 @@ def refuse_unknown_inputs(unknown: dict) -> None:
                                                        f"the workflow.") for k, v in named.items()))
 
 
+_SAID: set[str] = set()  # the nodes accept_all_inputs has said it of
+
+
 def accept_all_inputs(schema_class, node: str) -> dict:
     """The schema option that hands this node every input a prompt gives it ({"accept_all_inputs": True}), so that
     refuse_unknown_inputs sees inputs the node no longer has; {} where this ComfyUI's node schema has no such option
@@ -52,5 +55,3 @@ def accept_all_inputs(schema_class, node: str) -> dict:
                     "(e.g. clear_cache in an old workflow) are dropped by ComfyUI without a message", node)
     return {}
 
-
-_SAID: set[str] = set()  # the nodes accept_all_inputs has said it of

@@ -38,10 +38,6 @@ def swapped_in(obj) -> dict | None:
     return obj.__dict__.get(_SWAPS) if isinstance(obj, torch.nn.Module) else None
 
 
-def _attr(obj, name: str):
-    return getattr(obj, name) if hasattr(obj, name) else None
-
-
 def original(model, key: str, default=None):
     """The object at `key` ('diffusion_model.…') of the model without any clone's object patches: ComfyUI's backup
     (object_patches_backup, shared by a model's clones) stands in at every level where a patch is applied now.
@@ -50,7 +46,7 @@ def original(model, key: str, default=None):
     obj, parts = model.model, key.split(".")
     for i, part in enumerate(parts):
         here = ".".join(parts[:i + 1])
-        obj = backup[here] if here in backup else _attr(obj, part)
+        obj = backup[here] if here in backup else getattr(obj, part, None)
         if obj is None:
             return default
     return obj
