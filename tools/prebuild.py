@@ -35,6 +35,7 @@ log = logging.getLogger("fluxaccel.prebuild")
 class Prebuilt:
     written: list[Path]  # warm-start packages the run wrote (new, or rewritten after a stale/foreign one)
     loaded: int  # packages the run loaded instead of compiling (already in the folder)
+    said: list[str]  # the server's log lines about warm-start packages (saved, loaded, ignored and why)
 
 
 def prebuild(workflow: dict, comfy_dir: Path, cache_dir: Path, server_args: list[str], models_dir: Path | None = None,
@@ -52,11 +53,13 @@ def prebuild(workflow: dict, comfy_dir: Path, cache_dir: Path, server_args: list
         with srv:
             srv.run(workflow, timeout=timeout)
             srv.separate_compiles(timeout=timeout)  # shapes compiling in a separate process: their packages too
-        loaded = srv.log_path.read_text(errors="replace").count("FluxAccel: loaded warm-start package")
+        text = srv.log_path.read_text(errors="replace")
+        loaded = text.count("FluxAccel: loaded warm-start package")
+        said = [line.strip() for line in text.splitlines() if "warm-start package" in line]
     written = sorted(p for p in cache_dir.glob(f"*{SUFFIX}") if before.get(p) != p.stat().st_mtime_ns)
     log.info("%d warm-start package(s) written to %s, %d loaded from it, in %.0f s", len(written), cache_dir, loaded,
              time.time() - t0)
-    return Prebuilt(written, loaded)
+    return Prebuilt(written, loaded, said)
 
 
 def main() -> int:

@@ -4,15 +4,25 @@ It takes the parent's import path, ComfyUI's launch flags and FluxAccel's packag
 job to separate.work and writes the result (JSON) where the parent looks for it. Run as a script, so it imports
 nothing of the plugin before the paths are set; the plugin's package is registered without running its __init__
 (which sets up ComfyUI nodes, not needed here).
+
+It lives as long as the ComfyUI that started it: when that process is gone (closed, killed, crashed), the compile
+stops and its half-written files are removed. A restarted ComfyUI finds no package and compiles the shape again;
+without this, the orphan would keep its copy of the weights in device memory beside the new server's and race it
+to write the same package.
 """
 import importlib
 import importlib.util
 import json
 import logging
+import os
 import pickle
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
+
+log = logging.getLogger("fluxaccel.compile")
 
 
 def _register(name: str, folder: str) -> None:
@@ -21,12 +31,50 @@ def _register(name: str, folder: str) -> None:
     sys.modules[name] = importlib.util.module_from_spec(spec)
 
 
+def parent_alive(pid: int):
+    """A function telling whether the process `pid` (this one's parent) still runs, or None where that cannot be told.
+    psutil (a ComfyUI requirement) knows a pid that was reused by another process; without it, POSIX re-parents an
+    orphan, so its parent pid changes."""
+    try:
+        import psutil
+    except ImportError:
+        return (lambda: os.getppid() == pid) if os.name == "posix" else None
+    try:
+        return psutil.Process(pid).is_running
+    except psutil.Error:  # gone already
+        return lambda: False
+
+
+def follow_parent(pid: int, cache_dir: Path | None, interval: float = 1.0) -> bool:
+    """Watch the parent from a daemon thread: once it is gone, say so, remove this process's temporary files in the
+    cache folder and exit. False (said in the log) where whether it runs cannot be told."""
+    alive = parent_alive(pid)
+    if alive is None:
+        log.warning("FluxAccel compile process: cannot tell whether ComfyUI (pid %d) still runs (no psutil): this "
+                    "compile runs to its end even if ComfyUI exits", pid)
+        return False
+
+    def watch():
+        while alive():
+            time.sleep(interval)
+        log.warning("FluxAccel compile process: ComfyUI (pid %d) exited; stopping this compile (a restarted ComfyUI "
+                    "compiles the shape again)", pid)
+        for tmp in (cache_dir.glob(f"*.tmp{os.getpid()}") if cache_dir is not None else ()):
+            tmp.unlink(missing_ok=True)
+        logging.shutdown()
+        os._exit(3)
+
+    threading.Thread(target=watch, name="fluxaccel-follow-parent", daemon=True).start()
+    return True
+
+
 def main(job_file: str) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s %(message)s")
     path = Path(job_file)
     job = pickle.loads(path.read_bytes())
     path.unlink(missing_ok=True)
     h = job["header"]
+    follow_parent(h["parent"], Path(h["cache_dir"]))
     result = {"saved": False, "error": ""}
     try:
         sys.path[:] = h["sys_path"]

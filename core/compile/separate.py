@@ -175,7 +175,7 @@ class SeparateCompiles:
                   "call": call_description(args, kwargs),
                   "config": dataclasses.asdict(self.config), "package": PACKAGE,
                   "package_dir": str(Path(__file__).resolve().parents[2]), "sys_path": list(sys.path),
-                  "result": str(job.result_path)}
+                  "result": str(job.result_path), "parent": os.getpid()}
         try:
             self.store.dir.mkdir(parents=True, exist_ok=True)
             job.result_path.unlink(missing_ok=True)

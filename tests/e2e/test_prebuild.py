@@ -1,7 +1,6 @@
 """tools/prebuild.py: one headless run of a workflow fills a shared folder with warm-start packages, and a new ComfyUI
 server pointed at that folder (a fleet worker) loads them instead of compiling."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,12 +24,12 @@ def _workflow() -> dict:
     return api
 
 
-def test_prebuilt_packages_start_a_new_server_warm(e2e_model_file):
-    """Into this session's folder (the CPU quickstart test may have filled it already: then the first run loads too);
-    the second run, a new server, must load every package and write none."""
-    folder = Path(os.environ["FLUXACCEL_CACHE_DIR"])
+def test_prebuilt_packages_start_a_new_server_warm(e2e_model_file, tmp_path):
+    """Into an empty folder of its own (the fleet's: no other server or test writes there), the first run writes the
+    workflow's package; the second run, a new server, must load every package and write none."""
+    folder = tmp_path / "fleet"
     first = prebuild(_workflow(), COMFY_DIR, folder, list(CPU_SERVER_ARGS), MODELS_DIR)
-    assert first.written or first.loaded, first
+    assert first.written and not first.loaded, first
     assert all(p.parent == folder and p.stat().st_size > 0 for p in first.written)
     second = prebuild(_workflow(), COMFY_DIR, folder, list(CPU_SERVER_ARGS), MODELS_DIR)
     assert second.written == [] and second.loaded >= max(1, len(first.written)), second
