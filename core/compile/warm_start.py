@@ -32,6 +32,7 @@ import pickle
 import sys
 import threading
 import time
+import tokenize
 import types
 from pathlib import Path
 from typing import Any, Callable
@@ -148,19 +149,35 @@ def _source_digests(fn) -> dict[str, str]:
     return out
 
 
-def _stale_sources(saved: dict[str, str]) -> list[str]:
-    import inspect
+def _module_digest(name: str) -> str | None:
+    """sha256 of an imported module's source as inspect.getsource gives it (the text torch saved: the file decoded,
+    universal newlines, a final newline), read from its file. Not through inspect: it reads linecache, which other
+    threads (a package loading in the background, a traceback being formatted) check and clear meanwhile, and a
+    read that loses that race would call an unchanged package stale. None where the module is not imported or has
+    no source file."""
+    path = getattr(sys.modules.get(name), "__file__", None)
+    if not path or not path.endswith(".py"):
+        return None
+    try:
+        with tokenize.open(path) as f:
+            text = f.read()
+    except (OSError, SyntaxError, UnicodeDecodeError):  # SyntaxError: tokenize's reading of an encoding cookie
+        return None
+    if text and not text.endswith("\n"):
+        text += "\n"
+    return hashlib.sha256(text.encode()).hexdigest()
 
-    changed = []
+
+def _stale_sources(saved: dict[str, str]) -> tuple[list[str], list[str]]:
+    """(the modules whose source changed since the package was written, those whose source cannot be read here)."""
+    changed, unread = [], []
     for name, digest in saved.items():
-        mod = sys.modules.get(name)
-        try:
-            now = hashlib.sha256(inspect.getsource(mod).encode()).hexdigest() if mod is not None else None
-        except (OSError, TypeError):
-            now = None
-        if now != digest:
+        now = _module_digest(name)
+        if now is None:
+            unread.append(name)
+        elif now != digest:
             changed.append(name)
-    return changed
+    return changed, unread
 
 
 class WarmStart:
@@ -198,9 +215,12 @@ class WarmStart:
             meta = json.loads(header)
             if meta.get("key") != self.key or meta.get("signature") != sig:
                 raise ValueError("written for another model/version/config/call signature")
-            stale = _stale_sources(meta.get("sources") or {})
-            if stale:
-                raise ValueError(f"stale: the source of {', '.join(stale)} changed since it was written")
+            changed, unread = _stale_sources(meta.get("sources") or {})
+            if changed:
+                raise ValueError(f"stale: the source of {', '.join(changed)} changed since it was written")
+            if unread:
+                raise ValueError(f"cannot tell whether it is stale: the source of {', '.join(unread)} cannot be read "
+                                 "in this process")
             with TORCH_COMPILE_LOCK, torch_internals.inductor_config_patch(options), \
                     torch_internals.vec_isa_list_kept():
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload))

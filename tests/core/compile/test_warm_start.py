@@ -80,7 +80,8 @@ def _package(tmp_path, key="k" * 32, sig="s" * 16, **meta):
     return w, w.path(sig), MAGIC + json.dumps(header).encode() + b"\n"
 
 
-@pytest.mark.parametrize("case", ["not ours", "foreign key", "other signature", "stale source", "corrupt"])
+@pytest.mark.parametrize("case", ["not ours", "foreign key", "other signature", "stale source", "unread source",
+                                  "corrupt"])
 def test_unusable_packages_are_refused_with_a_warning(tmp_path, caplog, case):
     w, path, head = _package(tmp_path)
     if case == "not ours":
@@ -93,9 +94,15 @@ def test_unusable_packages_are_refused_with_a_warning(tmp_path, caplog, case):
         path.write_bytes(head.replace(b"s" * 16, b"t" * 16) + b"payload")
         says = "written for another model"
     elif case == "stale source":
-        _, _, head = _package(tmp_path, sources={"core.rope": "0" * 64})
+        from fluxaccel.core.compile import rope  # noqa: F401  (imported: its source can be read)
+
+        _, _, head = _package(tmp_path, sources={"fluxaccel.core.compile.rope": "0" * 64})
         path.write_bytes(head + b"payload")
-        says = "stale: the source of core.rope changed"
+        says = "stale: the source of fluxaccel.core.compile.rope changed"
+    elif case == "unread source":  # a module this process has not imported: whether it changed cannot be told
+        _, _, head = _package(tmp_path, sources={"no.such.module": "0" * 64})
+        path.write_bytes(head + b"payload")
+        says = "cannot tell whether it is stale: the source of no.such.module cannot be read"
     else:
         path.write_bytes(head + b"\x00\x01 not a pickle")
         says = "ignoring unusable warm-start package"
@@ -194,3 +201,34 @@ def test_signature_tells_calls_apart_and_refuses_what_a_package_cannot_stand_for
     for bad in (lambda f, *a: f(*a), _module_level_fn.__get__(object()), object()):
         with pytest.raises(NotPackageable, match=r"kwargs\.options\.attn"):
             signature((x,), {"options": {"attn": bad}})
+
+
+def test_source_check_reads_what_torch_saved_without_linecache(monkeypatch):
+    """The check of a package's sources digests each module's file as inspect.getsource gives it (what torch saves),
+    and never reads linecache: another thread may clear or check it meanwhile (a background load, a traceback), and a
+    read losing that race would call an unchanged package stale. Here linecache fails as such a race makes it."""
+    import hashlib
+    import inspect
+    import linecache
+
+    from fluxaccel.core.compile import rope, warm_start
+
+    names = ["fluxaccel.core.compile.rope", "torch.nn.functional", "comfy.ldm.flux.model"]
+    import comfy.ldm.flux.model  # noqa: F401
+
+    saved = {n: hashlib.sha256(inspect.getsource(sys.modules[n]).encode()).hexdigest() for n in names}
+
+    def lost_race(*a, **k):
+        raise KeyError("popped by another thread")
+
+    with monkeypatch.context() as m:  # undone before the asserts: pytest's report of a failure reads linecache
+        m.setattr(linecache, "getlines", lost_race)
+        m.setattr(linecache, "checkcache", lost_race)
+        try:
+            same = warm_start._stale_sources(saved)
+            one_changed = warm_start._stale_sources({**saved, names[0]: "0" * 64})
+        except KeyError as e:
+            same = one_changed = f"read linecache: {e!r}"
+    assert same == ([], [])
+    assert one_changed == ([names[0]], [])
+    assert rope.__name__ == names[0]
