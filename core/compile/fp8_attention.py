@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ..upstream import fa3_internals
+from ..upstream import comfy_internals, fa3_internals
 from .attention import sdpa_cudnn_first
 
 SCALES_KEY = "fluxaccel_fp8_attention_qk_scales"  # transformer_options key: (2,) float32, Q's and K's scale
@@ -53,30 +53,38 @@ def _norms(block) -> list | None:
     return norms
 
 
-def _weight_bound(norm) -> torch.Tensor | None:
-    """max |weight| of an RMSNorm as it runs (None where ComfyUI changes the weight per call, LoRA on the fly, or
-    the norm has no weight FluxAccel can read)."""
+def _norm_weight(norm) -> torch.Tensor | str:
+    """The weight an RMSNorm multiplies by, as it runs; or why FluxAccel cannot take its bound from it."""
     if getattr(norm, "weight_function", None) or getattr(norm, "bias_function", None):
-        return None
-    w = getattr(norm, "weight", None)
-    if not isinstance(w, torch.Tensor):
-        return None
-    return w.detach().abs().amax().float()
+        return "ComfyUI changes its QK-norm weights at each call (a LoRA or another patch on them)"
+    w = comfy_internals.rms_norm_weight(norm)
+    return w if isinstance(w, torch.Tensor) else f"its QK-norm weight cannot be read ({w})"
+
+
+def _qk_weights(block) -> list[list[torch.Tensor]] | str:
+    """The block's query-norm weights and key-norm weights (image and text stream each), or why not."""
+    norms = _norms(block)
+    if norms is None:
+        return "it has no QK-norm FluxAccel knows"
+    weights = [[_norm_weight(getattr(n, which)) for n in norms] for which in ("query_norm", "key_norm")]
+    return next((w for pair in weights for w in pair if isinstance(w, str)), weights)
+
+
+def why_no_qk_bound(block) -> str:
+    """Why this block's Q/K FP8 scales cannot come from its QK-norm weights ("" where they can)."""
+    weights = _qk_weights(block)
+    return weights if isinstance(weights, str) else ""
 
 
 def qk_scales(block) -> torch.Tensor | None:
     """Q's and K's FP8 scales of this block from its QK-norm weights ((2,) float32), or None where the block has no
-    QK-norm FluxAccel knows or its weights change per call (Q and K then take each call's absmax)."""
-    norms = _norms(block)
-    if norms is None:
+    QK-norm FluxAccel knows or its weights change per call (Q and K then take each call's absmax; why_no_qk_bound says
+    why). An RMS-normed vector's element is at most sqrt(head_dim) x max |weight|."""
+    weights = _qk_weights(block)
+    if isinstance(weights, str):
         return None
-    bounds = [[_weight_bound(getattr(n, which)) for n in norms] for which in ("query_norm", "key_norm")]
-    if any(b is None for pair in bounds for b in pair):
-        return None
-    head_dim = norms[0].query_norm.normalized_shape[-1] if hasattr(norms[0].query_norm, "normalized_shape") else None
-    if head_dim is None:
-        return None
-    top = torch.stack([torch.stack(pair).amax() for pair in bounds])
+    head_dim = weights[0][0].shape[-1]
+    top = torch.stack([torch.stack([w.detach().abs().amax().float() for w in pair]).amax() for pair in weights])
     return top.to(torch.float32) * (math.sqrt(head_dim) * MARGIN / FP8_MAX)
 
 

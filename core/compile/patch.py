@@ -205,6 +205,22 @@ def _say_single_blocks_off(compiled: CompiledFlux, model, dm, node: str) -> None
         log.warning("FluxAccel: %s runs ComfyUI's single-block forward: %s", node, why)
 
 
+def _say_qk_bound_off(compiled: CompiledFlux, dm, node: str) -> None:
+    """FP8 attention in block regions takes each block's Q/K scales from its QK-norm weights; a block where they cannot
+    be read (as the Compile node gets the model) takes each call's absmax of Q and K instead (the same kind of scale,
+    one more pass over Q and K): say how many and why (the model's stats, the node's text, the log)."""
+    if compiled.cfg.attention != "fp8" or not compiled.cfg.block_regions:
+        return
+    from .fp8_attention import why_no_qk_bound
+
+    blocks = [*getattr(dm, "double_blocks", ()), *getattr(dm, "single_blocks", ())]
+    whys = [w for w in map(why_no_qk_bound, blocks) if w]
+    if whys:
+        why = f"{len(whys)} of {len(blocks)} blocks take each call's absmax of Q and K instead: {whys[0]}"
+        compiled.stats.degrade("FP8 attention's Q/K scales from the QK-norm bound", why)
+        log.warning("FluxAccel: %s: FP8 attention's Q/K scales: %s", node, why)
+
+
 def apply_compile(model, cfg: CompileConfig, node: str = NODE):
     """Return a clone of `model` whose diffusion model runs compiled (and graph-captured) as one module."""
     require_flux(model, node)
@@ -256,13 +272,11 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
     compiled = CompiledFlux(dm, cfg, device, variant=model_variant(clone), layout=model_layout(model),
                             scale=latent_scale(model), references=profile(model).references, mod_table=table)
     compiled.stats.graphs_off_reason = graphs_off
-    if graphs_off:
-        compiled.stats.degrade("CUDA graphs", graphs_off)
-    if regions_off:
-        compiled.stats.degrade("block_regions", regions_off)
-    if table_off:
-        compiled.stats.degrade("modulation_table", table_off)
+    for what, why in (("CUDA graphs", graphs_off), ("block_regions", regions_off), ("modulation_table", table_off)):
+        if why:
+            compiled.stats.degrade(what, why)
     _say_single_blocks_off(compiled, model, dm, node)
+    _say_qk_bound_off(compiled, dm, node)
     clone.add_callback_with_key(on_load_callback_type(), COMPILE_KEY, partial_load_guard(node))
     return _install(clone, compiled)
 

@@ -145,6 +145,16 @@ def checkpoint_qdata(w) -> torch.Tensor | Unavailable:
     return _missing("QuantizedTensor._qdata", f"a {type(w).__name__} weight")
 
 
+def rms_norm_weight(norm) -> torch.Tensor | Unavailable:
+    """The weight a FLUX QK-norm's RMSNorm multiplies by: comfy.ops' RMSNorm keeps it in `weight` (0.33), the FLUX
+    layers' own RMSNorm in `scale` (0.3.x)."""
+    for name in ("weight", "scale"):
+        w = getattr(norm, name, None)
+        if isinstance(w, torch.Tensor):
+            return w
+    return _missing("RMSNorm.weight / RMSNorm.scale", f"a {type(norm).__name__} QK-norm")
+
+
 # -- ComfyUI's own torch.compile wrapper ----------------------------------------------------------------------------
 COMFY_COMPILE_KEY = "torch.compile"  # comfy_api.torch_helpers.torch_compile.COMPILE_KEY
 

@@ -14,6 +14,7 @@ from fluxaccel.core.compile.config import CompileConfig
 from fluxaccel.core.compile.options import refuse_unsupported
 from fluxaccel.core.compile.patch import apply_compile
 from fluxaccel.core.errors import FluxAccelError
+from fluxaccel.core.upstream import comfy_internals
 from support import fa3_standin
 from support.runs import denoise_once
 
@@ -35,6 +36,11 @@ def _comfy():
     import comfy.ldm.modules.attention as attention
 
     return attention.attention_pytorch
+
+
+def _w(norm) -> torch.Tensor:
+    """A QK-norm's weight, as the ComfyUI under test keeps it (0.33: `weight`, 0.3.x: `scale`)."""
+    return comfy_internals.rms_norm_weight(norm)
 
 
 def _reference(q, k, v):
@@ -78,16 +84,16 @@ def test_qk_norm_bound_holds_for_the_worst_vector(tiny_flux, kind):
     g = torch.Generator().manual_seed(3)
     for n in norms:
         for which in (n.query_norm, n.key_norm):
-            which.weight.data = (torch.randn(which.weight.shape, generator=g) * 2).to(which.weight.dtype)
+            _w(which).data = (torch.randn(_w(which).shape, generator=g) * 2).to(_w(which).dtype)
     scales = fa.qk_scales(block)
-    d = norms[0].query_norm.weight.numel()
+    d = _w(norms[0].query_norm).numel()
     for i, which in enumerate(("query_norm", "key_norm")):
-        worst = max((getattr(n, which)(torch.eye(d)[[int(getattr(n, which).weight.float().abs().argmax())]].bfloat16())
+        worst = max((getattr(n, which)(torch.eye(d)[[int(_w(getattr(n, which)).float().abs().argmax())]].bfloat16())
                      .float().abs().max()) for n in norms)
         assert worst <= scales[i] * 448
         assert worst >= scales[i] * 448 / fa.MARGIN * 0.99
         assert math.isclose(float(scales[i]) * 448, math.sqrt(d) * fa.MARGIN *
-                            max(float(getattr(n, which).weight.float().abs().max()) for n in norms), rel_tol=1e-3)
+                            max(float(_w(getattr(n, which)).float().abs().max()) for n in norms), rel_tol=1e-3)
 
 
 def test_no_bound_where_comfyui_patches_the_norm_per_call(tiny_flux):
@@ -95,6 +101,7 @@ def test_no_bound_where_comfyui_patches_the_norm_per_call(tiny_flux):
     block.norm.query_norm.weight_function = [lambda w: w * 2]
     try:
         assert fa.qk_scales(block) is None
+        assert "changes its QK-norm weights at each call" in fa.why_no_qk_bound(block)
     finally:
         block.norm.query_norm.weight_function = []
 
@@ -120,6 +127,35 @@ def test_compiled_regions_hand_each_block_its_bound(tiny_flux, fa3, monkeypatch)
     from fluxaccel.core.patches import describe, label
 
     assert label(model).endswith("+regions+fp8-attention") and describe(model)["compile"]["attention"] == "fp8"
+
+
+def test_a_block_whose_qk_norm_weight_cannot_be_read_takes_each_calls_absmax_and_it_is_said(tiny_flux, fa3,
+                                                                                            monkeypatch, caplog):
+    """A QK-norm whose weight FluxAccel cannot read (an RMSNorm keeping it under another name): that block's Q and K
+    take each call's absmax, the others their bound; the model's stats and the log say how many blocks and why."""
+    monkeypatch.setattr(fa, "why_not", lambda device: None)
+    dm = tiny_flux.model.diffusion_model
+    odd = dm.single_blocks[1].norm
+
+    class Renamed(torch.nn.Module):  # the norm's weight under a name no ComfyUI uses
+        def __init__(self, inner):
+            super().__init__()
+            self.gain = torch.nn.Parameter(_w(inner).detach().clone())
+
+        def forward(self, x):
+            return torch.nn.functional.rms_norm(x, self.gain.shape, self.gain.to(x.dtype), eps=1e-6)
+
+    monkeypatch.setattr(odd, "query_norm", Renamed(odd.query_norm))
+    assert "RMSNorm.weight / RMSNorm.scale" in fa.why_no_qk_bound(dm.single_blocks[1])
+    bounds = {round(float(fa.qk_scales(b)[0]), 6) for b in (*dm.double_blocks, dm.single_blocks[0])}
+    model, compiled = apply_compile(tiny_flux, CompileConfig(persistent_cache=False, attention="fp8"))
+    denoise_once(model)
+    q_scales = [round(float(c["q_descale"][0, 0]), 6) for c in fa3]
+    assert len(q_scales) == 2 + 2 and set(q_scales[:3]) <= bounds and q_scales[3] not in bounds, (q_scales, bounds)
+    (d,) = [d for d in compiled.stats.degradations if d.what == "FP8 attention's Q/K scales from the QK-norm bound"]
+    assert d.why.startswith("1 of 4 blocks take each call's absmax of Q and K instead: its QK-norm weight cannot be "
+                            "read") and "RMSNorm.weight / RMSNorm.scale" in d.why, d.why
+    assert "FP8 attention's Q/K scales: 1 of 4 blocks" in caplog.text
 
 
 def test_without_block_regions_qk_scales_are_per_call(tiny_flux, fa3, monkeypatch):
