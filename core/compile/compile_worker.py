@@ -33,12 +33,14 @@ def _register(name: str, folder: str) -> None:
 
 def parent_alive(pid: int):
     """A function telling whether the process `pid` (this one's parent) still runs, or None where that cannot be told.
-    psutil (a ComfyUI requirement) knows a pid that was reused by another process; without it, POSIX re-parents an
-    orphan, so its parent pid changes."""
+    POSIX re-parents an orphan the moment its parent exits (a zombie parent included), so its parent pid changes;
+    elsewhere psutil (a ComfyUI requirement) tells, knowing a pid that another process took since."""
+    if os.name == "posix":
+        return lambda: os.getppid() == pid
     try:
         import psutil
     except ImportError:
-        return (lambda: os.getppid() == pid) if os.name == "posix" else None
+        return None
     try:
         return psutil.Process(pid).is_running
     except psutil.Error:  # gone already

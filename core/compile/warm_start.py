@@ -163,7 +163,7 @@ def _module_digest(name: str) -> str | None:
             text = f.read()
     except (OSError, SyntaxError, UnicodeDecodeError):  # SyntaxError: tokenize's reading of an encoding cookie
         return None
-    if text and not text.endswith("\n"):
+    if not text.endswith("\n"):  # as linecache reads it: an empty file is one empty line
         text += "\n"
     return hashlib.sha256(text.encode()).hexdigest()
 

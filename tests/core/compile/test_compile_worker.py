@@ -105,19 +105,22 @@ def test_a_real_separate_compile_stops_when_comfyui_exits(tmp_path):
     assert not list(cache.glob("*.warm")) and not list(cache.glob("*.tmp*")), sorted(cache.iterdir())
 
 
-def test_without_psutil_posix_watches_the_parent_pid_and_elsewhere_says_it_cannot_tell(monkeypatch, caplog):
+def test_posix_watches_the_parent_pid_elsewhere_psutil_or_it_says_it_cannot_tell(monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger="fluxaccel")
+    if os.name == "posix":  # an orphan's parent pid changes the moment its parent exits
+        assert compile_worker.parent_alive(os.getppid())() is True
+        assert compile_worker.parent_alive(os.getppid() + 1_000_000)() is False
     with monkeypatch.context() as m:  # undone before the fixtures' teardown, which imports ComfyUI (psutil)
-        m.setitem(sys.modules, "psutil", None)  # `import psutil` raises ImportError
-        alive = compile_worker.parent_alive(os.getppid())
-        if os.name == "posix":
-            assert alive() is True and compile_worker.parent_alive(os.getppid() + 1_000_000)() is False
         m.setattr(compile_worker.os, "name", "nt")
+        assert compile_worker.parent_alive(os.getppid())() is True  # through psutil
+        m.setitem(sys.modules, "psutil", None)  # `import psutil` raises ImportError
         assert compile_worker.parent_alive(os.getppid()) is None
         assert compile_worker.follow_parent(os.getppid(), None) is False
     assert "cannot tell whether ComfyUI" in caplog.text and "runs to its end" in caplog.text
 
 
-def test_a_parent_already_gone_is_seen_as_gone():
+def test_a_parent_already_gone_is_seen_as_gone(monkeypatch):
     p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    assert compile_worker.parent_alive(int(p.stdout))() is False
+    monkeypatch.setattr(compile_worker.os, "name", "nt")  # through psutil
     assert compile_worker.parent_alive(int(p.stdout))() is False
