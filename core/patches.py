@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from .compile.patch import compiled_of, remove_compile
 from .quant.patch import fp8_state, remove_fp8
-from .quant.static_scales import remove_static_scales, static_scales_state
 from .upstream import degradations
 
 
@@ -22,20 +21,16 @@ def compute_dtype(model) -> str:
 
 def label(model) -> str:
     """e.g. 'bf16', 'fp32' (what the model computes in), 'fp8-per_row', 'fp8-per_row+compile+graphs',
-    'fp8-per_row-plain+compile+graphs+regions', 'fp8-per_row-plain-blocks+modulation' (the scope is named when it is
-    not the default 'blocks'), 'fp8-per_row-plain-static+...' (static activation scales, Warmup),
-    '...+regions+fp8-attention'. '+graphs' only where CUDA graphs run: not on the CPU, not under cudaMallocAsync."""
+    'fp8-per_row-blocks+modulation' (the scope is named when it is not the default 'blocks'),
+    '...+compile+graphs+fp8-attention'. '+graphs' only where CUDA graphs run (a GPU, none lost)."""
     fp8 = fp8_state(model)
     name = compute_dtype(model)
     if fp8:
         c = fp8.config
-        name = f"fp8-{c.granularity}" + ("-plain" if c.layout == "plain" else "") + \
-            ("" if c.scope == "blocks" else f"-{c.scope}") + ("-static" if static_scales_state(model) else "")
+        name = f"fp8-{c.granularity}" + ("" if c.scope == "blocks" else f"-{c.scope}")
     c = compiled_of(model)
     if c is not None:
         name += "+compile" + ("+graphs" if c.graphs_running else "")  # only where graphs run (CUDA, none dropped)
-        if c.cfg.nested_regions:
-            name += "+regions"
         if c.cfg.mode != "default":
             name += f"+{c.cfg.mode}"
         if c.cfg.attention != "cudnn":
@@ -48,31 +43,24 @@ def describe(model) -> dict:
     fp8 = fp8_state(model)
     if fp8:
         r = fp8.report
-        out["fp8"] = {"granularity": r.granularity, "scope": r.scope, "layout": r.layout,
-                      "quantized": len(r.quantized), "bytes_saved": r.bytes_saved}
-        static = static_scales_state(model)
-        if static:
-            out["fp8"]["static_activation_scales"] = {
-                "linears": len(static.keys) - len(static.dynamic), "dynamic": len(static.dynamic),
-                "headroom": static.config.headroom, "calibration": static.calibration}
+        out["fp8"] = {"granularity": r.granularity, "scope": r.scope, "quantized": len(r.quantized),
+                      "bytes_saved": r.bytes_saved}
     c = compiled_of(model)
     if c is not None:
         st = c.stats
-        out["compile"] = {"cuda_graphs": c.cfg.cuda_graphs, "mode": c.cfg.mode, "policy": c.cfg.resolution_policy,
-                          "block_regions": c.cfg.block_regions, "attention": c.cfg.attention,
+        out["compile"] = {"cuda_graphs": c.graphs_running, "mode": c.cfg.mode, "policy": c.cfg.resolution_policy,
+                          "attention": c.cfg.attention,
                           "shapes": [k.describe() for k in st.shapes],
                           "compile_seconds": {k.describe(): round(v, 2) for k, v in st.compile_seconds.items()},
                           "compile_phases_s": {k.describe(): v for k, v in st.compile_phases.items()},
-                          "calls": st.calls, "graph_step_marks": st.marks, "eager_calls": st.eager_calls,
-                          "cache_loaded": st.cache_loaded, "graph_skips": sum(st.graph_skips.values()),
+                          "calls": st.calls, "eager_calls": st.eager_calls, "cache_loaded": st.cache_loaded,
                           "warm_start": {k.describe(): v for k, v in st.warm_start.items()},
                           "warm_start_off": st.warm_start_off, "attention_note": st.attention_note,
                           "separate_process": {k.describe(): v for k, v in st.separate.items()},
                           "uncompiled_while_compiling": st.uncompiled_while_compiling,
-                          "graphs_off_reason": st.graphs_off_reason, "graph_capture": c.cfg.graph_capture,
+                          "graphs_off_reason": c.setup.capture_off,
                           **({"call_graphs": c.runner.call_graphs.counts()} if c.runner.call_graphs else {}),
                           **({"modulation_table": c.runner.mod_table.counts()} if c.runner.mod_table else {}),
-                          "graph_rerecords": st.rerecords(),
                           "graphs_lost": {k.describe(): v for k, v in st.graphs_lost.items()},
                           "model_compiler_paused_calls": st.model_compiler_paused,
                           "model_compiler_unknown_calls": st.model_compiler_unknown,
@@ -86,4 +74,4 @@ def describe(model) -> dict:
 
 def strip(model):
     """The same model with every FluxAccel patch removed (the Benchmark's default baseline)."""
-    return remove_fp8(remove_static_scales(remove_compile(model)))
+    return remove_fp8(remove_compile(model))

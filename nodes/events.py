@@ -1,5 +1,5 @@
-"""Messages to the editor (web/fluxaccel.js) over ComfyUI's websocket: the Compile node's badge learns which
-shapes its model has compiled, and whether CUDA graphs are on, when it happens (during sampling)."""
+"""What the editor (web/fluxaccel.js) shows of a compiled model: the Compile node's text and badge, from one state,
+and the websocket messages that update the badge when a shape compiles (during sampling)."""
 from __future__ import annotations
 
 import logging
@@ -11,35 +11,28 @@ log = logging.getLogger("fluxaccel.events")
 COMPILED = "fluxaccel.compiled"
 
 
-def _graphs_off(reason: str) -> str:
-    """The badge's short form of why CUDA graphs are off ("" when they are not)."""
-    if not reason:
-        return ""
-    if "graph_capture 'call' cannot run" in reason:
-        return "graph_capture 'call' cannot run here (the node's text says why)"
-    return "cudaMallocAsync: start ComfyUI with --disable-cuda-malloc, or set graph_capture 'call'"
-
-
 def compiled_state(compiled) -> dict:
-    """What the Compile node's badge shows of a compiled model, read from its stats (the websocket message while it
-    compiles; the Benchmark's output again, so a badge whose Compile node came from ComfyUI's cache agrees too)."""
+    """What the Compile node shows of a compiled model, read from its stats: its text (`text`) and its badge (the
+    rest) come from this one dict -- at the node's run, in the websocket message while it compiles, and with the
+    Benchmark's output (so a badge whose Compile node came from ComfyUI's cache agrees too)."""
     st = compiled.stats
-    return {
+    lines = [d.line() for d in st.degradations] + degradations()  # what runs below what was asked, then upstream's
+    state = {
         "shapes": [k.describe() for k in st.shapes],
         "short": [f"{k.width * k.scale}x{k.height * k.scale} b{k.batch} t{k.text_len}{' +ref' if k.refs else ''}"
                   for k in st.compile_seconds],
         "graphs": compiled.graphs_running,
         "graphs_lost": "; ".join(f"{k.describe()}: {v}" for k, v in st.graphs_lost.items()),
-        "graphs_off": _graphs_off(st.graphs_off_reason),
+        "graphs_off": compiled.setup.capture_off,
         "compile_seconds": [round(v, 1) for v in st.compile_seconds.values()],
         # shapes compiling in a separate process right now, and the calls that ran uncompiled meanwhile
         "compiling": [k.describe() for k, v in st.separate.items() if v.startswith("compiling")],
         "uncompiled_calls": st.uncompiled_while_compiling,
-        # what runs below what was asked (the model's own list, then upstream internals this process lacks): the badge
-        # says how many, its tooltip and the Compile node's text what
-        "degradations": [d.line() for d in st.degradations] + degradations(),
-        "degraded": len(st.degradations) + len(degradations()),
+        "degradations": lines,
+        "degraded": len(lines),
     }
+    state["text"] = "\n".join([compiled.cfg.summary(compiled.setup.capture_off), *lines])
+    return state
 
 
 def compiled_notifier(node_id: str | None):

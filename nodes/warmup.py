@@ -4,8 +4,8 @@ import comfy.utils
 from comfy_api.latest import io, ui
 
 from ..core.compile.patch import compiled_of
-from ..core.compile.warmup import TICKS, parse_resolutions, warmup
-from ..core.quant.static_scales import StaticScalesConfig, static_scales_state
+from ..core.compile.warmup import NODE, REMOVED_INPUTS, TICKS, parse_resolutions, warmup
+from ..core.inputs import known_inputs
 from . import ids
 from .events import progress_text
 from .validation import parses
@@ -54,15 +54,6 @@ class Warmup(io.ComfyNode):
                 io.Float.Input("cfg", default=1.0, min=1.0, max=30.0, step=0.1,
                                tooltip="The KSampler cfg you will use: 1 runs batch 1, above 1 runs cond+uncond (batch 2)."),
                 io.Int.Input("steps", default=2, min=1, max=100, tooltip="Sampling steps per shape (2 compiles and captures)."),
-                io.Combo.Input("activation_scales", options=["dynamic", "static"], default="dynamic", optional=True,
-                               tooltip="FP8 activation scales. dynamic: each call's own (Quantize FP8's). static "
-                                       "(opt-in; needs Quantize FP8 with layout plain and your positive conditioning "
-                                       "connected): first samples every listed size uncompiled for `steps` steps -- set "
-                                       "them to your KSampler's steps -- and fixes each FP8 Linear's activation scale "
-                                       "from the largest value seen (2x headroom; larger values saturate): ~4 % "
-                                       "faster per step at FLUX.1-dev 1024² on an H200. Its error shows in the "
-                                       "Benchmark node. A new conditioning runs the calibration again: connect a "
-                                       "fixed, typical prompt of your own here rather than the one you edit."),
                 io.Conditioning.Input("positive", optional=True, tooltip="Your positive conditioning (sets the text length)."),
                 io.Conditioning.Input("negative", optional=True, tooltip="Your negative conditioning."),
             ],
@@ -70,6 +61,7 @@ class Warmup(io.ComfyNode):
                                              "input (the Compile node's output) keeps its own shapes and policy.")],
             hidden=[io.Hidden.unique_id],
             is_output_node=True,  # runs without anything downstream: a workflow may only warm the server (prebuild)
+            accept_all_inputs=True,  # inputs this node no longer has reach execute: said in the log, left to FluxAccel
         )
 
     @classmethod
@@ -77,24 +69,21 @@ class Warmup(io.ComfyNode):
         return parses(parse_resolutions, resolutions)
 
     @classmethod
-    def execute(cls, model, resolutions, batch_size, text_length, cfg, steps, activation_scales="dynamic",
-                positive=None, negative=None) -> io.NodeOutput:
+    def execute(cls, model, resolutions, batch_size, text_length, cfg, steps, positive=None, negative=None,
+                **removed) -> io.NodeOutput:
+        known_inputs(removed, (), REMOVED_INPUTS, NODE)
         res = parse_resolutions(resolutions)
-        static = StaticScalesConfig() if activation_scales == "static" else None
-        bar = _Bar(len(res) * steps * (2 if static else 1), cls.hidden.unique_id)  # static: calibration runs first
+        bar = _Bar(len(res) * steps, cls.hidden.unique_id)
         warmed, secs = warmup(model, res, batch_size, text_length, cfg, steps, positive, negative,
-                              on_step=bar.step, on_compile=bar.compiling, static_scales=static)
+                              on_step=bar.step, on_compile=bar.compiling)
         text = "\n".join(ready_lines(warmed, secs))
         return io.NodeOutput(warmed, ui=ui.PreviewText(text))
 
 
 def ready_lines(model, seconds: dict[str, float]) -> list[str]:
-    """Per shape: its compile time (the figure the compile's progress ended with) and the whole warm-up sampling; the
-    static activation scales, where calibrated."""
+    """Per shape: its compile time (the figure the compile's progress ended with) and the whole warm-up sampling."""
     compiled = compiled_of(model)
     compile_s = {k.describe(): v for k, v in compiled.stats.compile_seconds.items()} if compiled is not None else {}
-    static = static_scales_state(model)
-    shapes = [f"{shape}: compiled in {compile_s[shape]:.1f} s; warm-up sampling done after {s:.1f} s" if shape in compile_s
+    return [f"{shape}: compiled in {compile_s[shape]:.1f} s; warm-up sampling done after {s:.1f} s" if shape in compile_s
               else f"{shape}: warm-up sampling done after {s:.1f} s (not compiled: see the log)"
               for shape, s in seconds.items()]
-    return ([static.summary()] if static else []) + shapes

@@ -19,7 +19,6 @@ from typing import Callable
 
 import torch
 
-from ..compile.telemetry import cudagraph_skips
 from ..models.flux import latent_scale
 from .metrics import rel_err, sqnr_db
 
@@ -172,27 +171,21 @@ def _compiling_here(models):
 
 
 def _first_runs(models, case: BenchCase, positive, negative, latent, say, on_step) -> tuple[dict, dict, dict]:
-    """Each model's first run (load, compile or cache load, capture): seconds, CUDA graphs skipped, final latent.
+    """Each model's first run (load, compile or cache load, capture): seconds and final latent.
     The accelerated models run before the baseline, so that an accelerated model's first run is what a fresh ComfyUI
     process pays for its first image, not also the switch away from a baseline loaded just before it."""
     import comfy.model_management as mm
 
     dev = models[0][1].load_device
-    first, skips, latents = {}, {}, {}
+    first, latents = {}, {}
     for label, m in models[1:] + models[:1]:
         say(f"{label}: first run (load, compile, capture)")
         _sync(dev)
         t0 = time.perf_counter()
         mm.load_models_gpu([m])
-        before = cudagraph_skips()
         latents[label], _, _ = sample_timed(m, case, positive, negative, latent, on_step)
         first[label] = time.perf_counter() - t0
-        after = cudagraph_skips()
-        skips[label] = after - before if after is not None and before is not None else None
-        if skips[label]:
-            log.warning("%s: inductor skipped CUDA graphs %d time(s) while compiling (see TORCH_LOGS=perf_hints)",
-                        label, skips[label])
-    return first, skips, latents
+    return first, latents
 
 
 def _timed_runs(models, case: BenchCase, positive, negative, latent, say, on_step) -> tuple[dict, dict, dict]:
@@ -229,7 +222,7 @@ def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negat
     models = unique_labels(models)
     latent = empty_latent(models[0][1], case)
     with _compiling_here(models):  # the first run's cost is the compile's (or waits for a separate one running)
-        first, skips, latents = _first_runs(models, case, positive, negative, latent, say, on_step)
+        first, latents = _first_runs(models, case, positive, negative, latent, say, on_step)
         times, steps, peaks = _timed_runs(models, case, positive, negative, latent, say, on_step)
     say("fidelity: denoiser forwards at sigmas " + ", ".join(map(str, FIDELITY_SIGMAS)))
     den = {label: denoiser_outputs(m, case, positive, negative) for label, m in models}
@@ -246,7 +239,7 @@ def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negat
             step_times=step_med, peak_vram_gib=peaks.get(label), denoiser_rel_err=rel_err(cat_o, cat_r),
             denoiser_sqnr_db=sqnr_db(cat_o, cat_r), denoiser_rel_err_per_sigma=per_sigma,
             final_latent_rel_err=rel_err(latents[label], latents[base]),
-            extra={"cudagraph_skips_at_first_run": skips[label], **(describe(m) if describe else {})},
+            extra=describe(m) if describe else {},
         ))
         if (rows[-1].extra.get("compile") or {}).get("cache_loaded"):
             rows[-1].first_run_cached_s = first[label]

@@ -1,10 +1,9 @@
-"""CUDA graphs of whole model calls, captured by FluxAccel, under any CUDA allocator (the Compile node's graph_capture
-"call").
+"""CUDA graphs of whole model calls, captured by FluxAccel, under any CUDA allocator.
 
-Inductor's cudagraph trees do not run under PyTorch's cudaMallocAsync allocator, ComfyUI's default. With graph_capture
-"call" the blocks are compiled on their own with inductor's C++ wrapper (which launches its kernels without the Python
-launcher's pointer check, the step that fails on memory a capture allocates; block_regions.for_config), the model
-around them runs uncompiled, and each call is captured here whole, into one `torch.cuda.CUDAGraph` per call structure:
+Inductor's cudagraph trees do not run under PyTorch's cudaMallocAsync allocator, ComfyUI's default. The blocks are
+compiled on their own with inductor's C++ wrapper (which launches its kernels without the Python launcher's pointer
+check, the step that fails on memory a capture allocates; config.inductor_options), the model around them runs as
+ComfyUI's code, and each call is captured here whole, into one `torch.cuda.CUDAGraph` per call structure:
 
   * a structure's first call runs uncaptured (it compiles or loads the compiled call, and does first-launch work such
     as loading kernels); its second is captured with static copies of its tensor inputs, then replayed; later calls

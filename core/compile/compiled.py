@@ -1,29 +1,28 @@
-"""Whole-model torch.compile of FLUX with CUDA graphs, and the fixed-shape contract around it.
+"""The compiled FLUX model that stands in for BaseModel.diffusion_model, and the fixed-shape contract around it.
 
-This file knows the compiled callable; compile_patch.py puts it into a ComfyUI ModelPatcher.
-Recipe, in order (each step's why):
-  1. quantize (optional, fp8_patch)  -- FP8 Linears are in the module tree before tracing, so they get fused
-  2. compile the *whole* diffusion model, dynamic=False -- one graph per shape; per-block (regional) compile
-     with CUDA graphs overwrites block outputs between replays. With block_regions the repeated FLUX blocks are
-     nested compile regions inside that one graph (block_regions.py): each kind compiled once, reused 19/38 times
-  3. capture CUDA graphs (inductor's cudagraph trees; with graph_capture "call" the blocks compiled on their own
-     and each call captured whole, call_graphs.py, also under cudaMallocAsync) -- removes kernel-launch overhead
-  4. warm up at every shape the workflow uses (Warmup node) -- compile/capture before the first real prompt
+This file knows the compiled call; patch.py puts it into a ComfyUI ModelPatcher. The recipe, in order:
+  1. quantize (optional, quant/patch.py) -- FP8 Linears are in the module tree before tracing, so they get fused
+  2. compile each kind of FLUX block once, at fixed shapes (blocks.py): the double and the single block bodies,
+     traced once and called for every block of their kind; the model around them runs as ComfyUI's code
+  3. capture each model call whole into a CUDA graph (call_graphs.py) on a GPU where inductor's C++ wrapper can be
+     built -- removes the launch overhead of the blocks and of the code around them, under any CUDA allocator
+  4. warm up at every shape the workflow uses (Warmup node) -- compile and capture before the first real prompt
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from .config import MODES, POLICIES, CompileConfig  # noqa: F401  (the compile config's home is config.py)
-from .block_regions import for_config
+from .blocks import BlockTable
 from .call_graphs import CallGraphs
-from .runner import Runner
-from .shapes import ShapeKey, ShapePolicy, dtype_name, shape_key, without_references  # noqa: F401
+from .config import CompileConfig
 from .options import attention_override, refuse_unsupported
+from .runner import Runner
+from .shapes import ShapeKey, ShapePolicy, shape_key, without_references
 from .stats import CompileStats
 from .telemetry import Telemetry
 from ..upstream import torch_internals
@@ -31,64 +30,72 @@ from ..upstream import torch_internals
 log = logging.getLogger("fluxaccel.compile")
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What a CompiledFlux is built for besides its config, found out by patch.apply_compile: the device, the key of
+    its caches (kernel_cache.cache_key), why calls are not captured into CUDA graphs ('' where they are), pixels per
+    latent cell, whether the architecture reads reference latents, and its modulation table (or None)."""
+
+    device: torch.device
+    cache_key: str
+    capture_off: str = ""
+    scale: int = 8
+    references: bool = True
+    mod_table: object = None
+
+
 class CompiledFlux(torch.nn.Module):
     """Stands in for BaseModel.diffusion_model during apply_model, in three parts with one job each: the shape policy
     (which shapes run compiled), the runner (the compiled call) and the telemetry (stats, progress, editor)."""
 
-    def __init__(self, dm: torch.nn.Module, cfg: CompileConfig, device: torch.device, variant: str = "",
-                 layout: str | None = None, scale: int = 8, references: bool = True, mod_table=None):
+    def __init__(self, dm: torch.nn.Module, cfg: CompileConfig, setup: Setup):
         super().__init__()
         # held outside _modules: the live diffusion model must not appear twice in the module tree
         object.__setattr__(self, "_dm", dm)
-        self.cfg, self.device, self.scale = cfg, torch.device(device), scale  # scale: pixels per latent cell
-        self.references = references  # whether the architecture reads reference latents (models/profiles.py)
+        self.cfg, self.setup, self.device = cfg, setup, torch.device(setup.device)
+        self.scale, self.references = setup.scale, setup.references
         self.stats = CompileStats()
         self.policy = ShapePolicy(cfg.resolution_policy, cfg.max_shapes)
-        self.cache, self.packages = self._persistence(dm, variant, layout)
-        # graphs: inductor's (trees, whole-model compile), or FluxAccel's capture of each call (blocks on their own)
-        self.regions = for_config(dm, cfg, self.device, self.packages if cfg.captured else None)
-        self.runner = Runner(dm, cfg.inductor_options(self.device), cfg.cuda_graphs and not cfg.captured,
-                             self.regions, None if cfg.captured else self.packages,
-                             attention=attention_override(cfg.attention), whole=not cfg.captured,
-                             call_graphs=CallGraphs(limit=2 * cfg.max_shapes)
-                             if cfg.captured and self.device.type == "cuda" else None, mod_table=mod_table)
+        self.options = cfg.inductor_options(capture=not setup.capture_off)
+        self.cache, self.packages = self._persistence(setup.cache_key)
+        self.runner = Runner(dm, BlockTable(dm, self.options, self.packages),
+                             attention=attention_override(cfg.attention),
+                             call_graphs=None if setup.capture_off else CallGraphs(limit=2 * cfg.max_shapes),
+                             mod_table=setup.mod_table)
         self.telemetry = Telemetry(self)
         self.separate = self._separate(self.packages)
         self.here = False  # compiling_here(): Warmup and Benchmark compile in this process
 
-    def _persistence(self, dm, variant: str, layout: str | None):
+    def _persistence(self, key: str):
         """The kernel cache (kernel_cache.py) and the warm-start packages (warm_start.py), as the config asks."""
         if not self.cfg.persistent_cache:
             return None, None
-        from .kernel_cache import KernelCache, cache_key
+        from .kernel_cache import KernelCache
         from .warm_start import Packages, WarmStart, available
 
-        cache = KernelCache(cache_key(dm, self.cfg, self.device, variant, layout))
+        cache = KernelCache(key)
         self.stats.cache_loaded = cache.load()
-        usable, why = available() if self.cfg.warm_start else (False, "warm_start off in the compile config")
+        usable, why = available()
         if usable:
-            packages = Packages(WarmStart(cache.key, cache.dir), self.cfg.inductor_options(self.device))
-            # a restart: the saved packages load while ComfyUI moves the weights, not at the first model call (with
-            # graph_capture "call" one package per block kind and shape)
-            packages.prefetch(self.cfg.max_shapes * (2 if self.cfg.captured else 1), self.device)
+            packages = Packages(WarmStart(cache.key, cache.dir), self.options)
+            # a restart: the saved packages load while ComfyUI moves the weights, not at the first model call (one
+            # package per block kind and shape)
+            packages.prefetch(self.cfg.max_shapes * 2, self.device)
             return cache, packages
         self.stats.warm_start_off = why
-        if self.cfg.warm_start:
-            self.stats.degrade("warm start", f"{why}; a restarted ComfyUI traces the model again")
-            log.warning("FluxAccel: no warm-start packages: %s; a restarted ComfyUI traces the model again", why)
+        self.stats.degrade("warm start", f"{why}; a restarted ComfyUI traces the blocks again")
+        log.warning("FluxAccel: no warm-start packages: %s; a restarted ComfyUI traces the blocks again", why)
         return cache, None
 
     def _separate(self, packages):
         """The separate-process compiles (separate.py) where the config asks for them and packages carry them back."""
-        if not self.cfg.separate_process:
+        if not self.cfg.separate_process or not self.cfg.persistent_cache:
             return None
-        if packages is None:
-            off = self.stats.warm_start_off or "the compile cache is off"
-            why = f"it needs warm-start packages, and there are none here ({off})"
-        else:
+        if packages is not None:
             from .separate import SeparateCompiles
 
-            return SeparateCompiles(packages.store, self.cfg, self.device)
+            return SeparateCompiles(packages.store, self.cfg, self.device, self.options)
+        why = f"it needs warm-start packages, and there are none here ({self.stats.warm_start_off})"
         self.stats.degrade("compile in a separate process", f"{why}; a new shape compiles in its first call")
         log.warning("FluxAccel: no compile in a separate process: %s; a new shape compiles in its first call", why)
         return None
@@ -118,29 +125,16 @@ class CompiledFlux(torch.nn.Module):
                            lambda self, fn: setattr(self.telemetry, "on_progress", fn))
 
     @property
-    def graphs(self) -> bool:
-        return self.cfg.cuda_graphs
-
-    @property
-    def graphs_active(self) -> bool:
-        """CUDA graphs asked for and possible here (they are CUDA-only; on the CPU the option is ignored)."""
-        return self.cfg.cuda_graphs and self.device.type == "cuda"
-
-    @property
     def graphs_running(self) -> bool:
-        """graphs_active, and none dropped for any shape: by inductor (at compile or past its re-record limit), or a
-        capture of FluxAccel's that failed."""
-        if not self.graphs_active:
-            return False
-        if self.runner.call_graphs is not None:
-            return not self.runner.call_graphs.failures()
-        return not self.stats.graph_skips and not self.stats.graphs_lost
+        """Whether model calls are captured into CUDA graphs here, and no shape has lost them (a failed capture)."""
+        graphs = self.runner.call_graphs
+        return graphs is not None and not graphs.failures()
 
     def derive(self) -> "CompiledFlux":
-        """A CompiledFlux for a downstream node's output (Warmup): the same compiled callable, caches and block
-        regions, with its own allowed shapes and stats (copies), so that what it registers leaves this one -- an
-        upstream node's output, which ComfyUI treats as immutable -- as it was."""
-        new = copy.copy(self)  # shallow: the runner (compiled callable, packages), model, caches, regions are shared
+        """A CompiledFlux for a downstream node's output (Warmup): the same compiled blocks, caches and captures, with
+        its own allowed shapes and stats (copies), so that what it registers leaves this one -- an upstream node's
+        output, which ComfyUI treats as immutable -- as it was."""
+        new = copy.copy(self)  # shallow: the runner (compiled blocks, packages, graphs), model and caches are shared
         new.stats = self.stats.copy()
         new.telemetry = Telemetry(new)
         new.telemetry.on_compiled, new.telemetry.on_progress = self.on_compiled, self.on_progress
@@ -152,7 +146,7 @@ class CompiledFlux(torch.nn.Module):
             self.stats.shapes.append(key)
 
     def forward(self, x, timestep, context=None, control=None, transformer_options={}, **kwargs):
-        refuse_unsupported(control, transformer_options, kwargs, self.regions, self.cfg.attention)
+        refuse_unsupported(control, transformer_options, kwargs, self.cfg.attention)
         if not self.references:
             kwargs = without_references(kwargs)
         key = shape_key(x, context, kwargs, self.scale)
@@ -163,7 +157,7 @@ class CompiledFlux(torch.nn.Module):
         if decision == "new":
             self.stats.shapes.append(key)
         if key in self.stats.compile_seconds:
-            with self.telemetry.warm_call(key, x):
+            with self.telemetry.warm_call(x):
                 out = self.runner(key, x, timestep, context, transformer_options, kwargs)
         elif self.separate is not None and self.separate.runs_uncompiled(self, key, x, timestep, context,
                                                                           transformer_options, kwargs):
@@ -177,7 +171,7 @@ class CompiledFlux(torch.nn.Module):
                 out = self.runner(key, x, timestep, context, transformer_options, kwargs, watch.loading_package)
             if self.cache is not None:
                 self.cache.save()
-            if self.separate is not None:  # graph_capture "call": the index of the shape's per-block packages
+            if self.separate is not None:  # the index of the shape's per-block packages
                 self.separate.record(self, key, x, timestep, context, transformer_options, kwargs)
         self.telemetry.count_call(self.runner.paused)
         return out

@@ -1,149 +1,92 @@
-"""What the Compile node asks for: one small frozen config, validated when made, turned into the options of one
-torch.compile call (nothing process-wide)."""
+"""What the Compile node asks for: one small frozen config, the one home of every default (the node's schema reads
+it), validated when made, turned into the options of FluxAccel's torch.compile calls (nothing process-wide).
+
+What FluxAccel can detect it decides and says, rather than asking: CUDA graphs (on a CUDA device where inductor's
+C++ wrapper can be built), the modulation table (where the model allows it), the single blocks' fused input, the
+staging of the sampler's inputs. The node shows the fields marked `node`; the others are for tools and tests.
+"""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from ..errors import FluxAccelError
+from ..inputs import node_field, node_inputs
 from ..upstream import torch_internals
 
-MODES: tuple[str, ...] = ("default", "tuned-kernels", "max-autotune-no-cudagraphs", "max-autotune")
-# FluxAccel's own mode: inductor tunes the block sizes of the Triton kernels it generates (coordinate descent, at their
-# first launch), without max-autotune's GEMM benchmarking. H200, FLUX.1-dev 1024²: 2.71 vs 2.81 s per prompt, the first
-# compile ~45 s longer, and ~15 s of tuning again at the first call after a restart (bench/NOTES.md).
-OWN_MODES: dict[str, dict] = {"tuned-kernels": {"coordinate_descent_tuning": True}}
+# tuned-kernels: inductor tunes the block sizes of the Triton kernels it generates (coordinate descent, at their first
+# launch), without max-autotune's GEMM benchmarking; max-autotune: also benchmarks GEMM choices while compiling
+MODES: tuple[str, ...] = ("default", "tuned-kernels", "max-autotune")
+_MODE_OPTIONS = {"tuned-kernels": lambda: {"coordinate_descent_tuning": True},
+                 # FluxAccel captures the CUDA graphs itself: inductor's own are always off
+                 "max-autotune": lambda: torch_internals.mode_options("max-autotune-no-cudagraphs")}
 POLICIES: tuple[str, ...] = ("strict", "recompile", "eager_fallback")
 ATTENTIONS: tuple[str, ...] = ("cudnn", "fp8")  # fp8: FlashAttention-3's FP8 kernel (fp8_attention.py), opt-in
-SINGLE_BLOCKS: tuple[str, ...] = ("fluxaccel", "comfyui")  # whose single-block forward the regions run
-GRAPH_CAPTURES: tuple[str, ...] = ("auto", "inductor", "call")
-MODULATION_TABLES: tuple[str, ...] = ("auto", "on", "off")
+
+# inputs the Compile node had once, which saved workflows may still set: FluxAccel decides them now (one log line)
+REMOVED_INPUTS: tuple[str, ...] = ("cuda_graphs", "persistent_cache", "block_regions", "separate_process",
+                                   "single_blocks", "graph_capture", "stage_inputs", "modulation_table", "clear_cache")
 
 
 @dataclass(frozen=True)
 class CompileConfig:
-    cuda_graphs: bool = True
-    mode: Literal["default", "tuned-kernels", "max-autotune-no-cudagraphs", "max-autotune"] = "default"
-    resolution_policy: Literal["strict", "recompile", "eager_fallback"] = "strict"
-    max_shapes: int = 4
+    resolution_policy: str = dataclasses.field(default="strict", metadata=node_field())
+    max_shapes: int = dataclasses.field(default=4, metadata=node_field(advanced=True))
+    attention: str = dataclasses.field(default="cudnn", metadata=node_field(advanced=True))
+    mode: str = dataclasses.field(default="default", metadata=node_field(advanced=True))
+    # compile artifacts and warm-start packages in the compile-cache folder, loaded after a restart
     persistent_cache: bool = True
-    # with persistent_cache: each shape's trace saved as a warm-start package (warm_start.py), so a restarted ComfyUI
-    # does not trace the model again; off: only inductor's artifacts are kept (compile_cache.py)
-    warm_start: bool = True
-    block_regions: bool = True  # H200 dev-1024-28: compile 73 -> 42 s, steady state +2-3 % (bench/NOTES.md)
-    attention: Literal["cudnn", "fp8"] = "cudnn"
-    # a shape not compiled before compiles in a separate process while the model runs uncompiled (separate.py); needs
-    # the warm-start packages (persistent_cache and warm_start), which carry the compiled call back
-    separate_process: bool = False
-    # "fluxaccel": in the block regions, single blocks whose linear2 takes Quantize FP8's fused GELU run FluxAccel's
-    # forward, which never writes linear2's concatenated input (single_block.py); "comfyui": the block's own forward
-    single_blocks: Literal["fluxaccel", "comfyui"] = "fluxaccel"
-    # who makes the CUDA graphs: "inductor" -- its cudagraph trees over the whole-model compile, which need PyTorch's
-    # native allocator (ComfyUI --disable-cuda-malloc); "call" -- each kind of block compiled on its own with
-    # inductor's C++ wrapper and each model call captured whole by FluxAccel (call_graphs.py), under any allocator
-    # (ComfyUI's default cudaMallocAsync included), a warm-start package per block kind; "auto" -- "call" where it can
-    # run (a CUDA device with graphs on, block_regions, a C++ compiler), "inductor" elsewhere (patch.resolve_capture)
-    graph_capture: Literal["auto", "inductor", "call"] = "auto"
-    # the sampler's CPU inputs (the conditioning) copied to the GPU through pinned memory without the host waiting
-    # (staging.py); off: ComfyUI's own blocking copy in every model call
-    stage_inputs: bool = True
-    # every block modulation computed once per prompt for all of the sampler's sigmas, looked up at each call
-    # (mod_table.py): "auto" where the model allows it (said where not), "on" (refused where not), "off"
-    modulation_table: Literal["auto", "on", "off"] = "auto"
+    # a shape not compiled before compiles in a separate process while the model runs uncompiled (separate.py);
+    # needs persistent_cache, whose packages carry the compiled blocks back
+    separate_process: bool = True
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise FluxAccelError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.resolution_policy not in POLICIES:
-            raise FluxAccelError(f"resolution_policy must be one of {POLICIES}, got {self.resolution_policy!r}")
-        if self.attention not in ATTENTIONS:
-            raise FluxAccelError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
-        if self.single_blocks not in SINGLE_BLOCKS:
-            raise FluxAccelError(f"single_blocks must be one of {SINGLE_BLOCKS}, got {self.single_blocks!r}")
-        if self.graph_capture not in GRAPH_CAPTURES:
-            raise FluxAccelError(f"graph_capture must be one of {GRAPH_CAPTURES}, got {self.graph_capture!r}")
-        if self.modulation_table not in MODULATION_TABLES:
-            raise FluxAccelError(f"modulation_table must be one of {MODULATION_TABLES}, got {self.modulation_table!r}")
-        if self.captured and not self.block_regions:
-            raise FluxAccelError("graph_capture 'call' compiles each kind of FLUX block on its own through the block "
-                                 "table: turn block_regions on, or set graph_capture to 'inductor'")
+        for name, allowed in (("mode", MODES), ("resolution_policy", POLICIES), ("attention", ATTENTIONS)):
+            if getattr(self, name) not in allowed:
+                raise FluxAccelError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.max_shapes < 1:
             raise FluxAccelError(f"max_shapes must be at least 1, got {self.max_shapes}")
-        if self.block_regions:
-            from .block_regions import available
 
-            if not available():
-                raise FluxAccelError(f"block_regions needs torch.compiler.nested_compile_region (torch 2.8 or newer); "
-                                     f"this is torch {torch.__version__}. Turn block_regions off.")
+    @classmethod
+    def from_inputs(cls, inputs: dict, node: str) -> "CompileConfig":
+        """The config of a node's inputs: its own fields taken, inputs the node no longer has said in one log line
+        (their setting is decided by FluxAccel now), any other name refused."""
+        return cls(**node_inputs(cls, inputs, REMOVED_INPUTS, node))
 
-    def summary(self) -> str:
-        """The config in words (the Compile node's text)."""
+    def summary(self, capture: str) -> str:
+        """The config in words (the Compile node's text). capture: '' where each model call is captured into a CUDA
+        graph, else why not."""
         policy = {"strict": "only the first shape (another is an error)",
                   "recompile": f"up to {self.max_shapes} shapes, each compiled when first met",
                   "eager_fallback": "the first shape compiled, others run uncompiled (counted)"}[self.resolution_policy]
         return "; ".join([
-            ("each kind of block" if self.captured else "whole model") + ", compiled on first use" +
-            (f" (mode {self.mode})" if self.mode != "default" else ""),
-            "CUDA graphs " + ("off" if not self.cuda_graphs else "on" if self.graph_capture == "inductor" else
-                              "on (each model call captured whole)" if self.graph_capture == "call" else
-                              "on (each model call captured whole where a C++ compiler is found)"),
+            "each kind of FLUX block compiled once, on first use" + (f" (mode {self.mode})" if self.mode != "default"
+                                                                      else ""),
+            "each model call captured into a CUDA graph" if not capture else f"no CUDA graphs: {capture}",
             f"shapes: {policy}",
-            ("the model around the blocks uncompiled, the blocks through inductor's C++ wrapper" if self.captured
-             else "repeated blocks compiled once") if self.block_regions else "every block compiled",
-            *(["single blocks without the concatenation before linear2 where Quantize FP8 fused the GELU"]
-              if self.block_regions and self.single_blocks == "fluxaccel" else []),
-            *(["FP8 attention (FlashAttention-3), Q/K scales " + ("from the QK-norm bound" if self.block_regions
-                                                                   else "per call (block_regions off)")]
-              if self.attention == "fp8" else []),
-            ("compile cache on" + (" with warm start" if self.warm_start else "")) if self.persistent_cache
-            else "no compile cache (compiles again after a restart)",
-            "a new shape compiles in a separate process while the model runs uncompiled" if self.separate_process
-            else "a new shape compiles in its first call",
-            "the sampler's CPU inputs copied to the GPU without waiting for it" if self.stage_inputs
-            else "the sampler's CPU inputs copied by ComfyUI (the host waits for the GPU at every call)",
-            *(["block modulations computed once per prompt for all of the sampler's sigmas" +
-               (" where the model allows it" if self.modulation_table == "auto" else "")]
-              if self.modulation_table != "off" else [])])
+            *(["FP8 attention (FlashAttention-3)"] if self.attention == "fp8" else []),
+            "compiled shapes saved for the next start" if self.persistent_cache else "no compile cache",
+            *(["a new shape compiles in a separate process while the model runs uncompiled"]
+              if self.separate_process and self.persistent_cache else [])])
 
-    @property
-    def captured(self) -> bool:
-        """CUDA graphs by FluxAccel's own capture of each call, the blocks compiled on their own (graph_capture)."""
-        return self.cuda_graphs and self.graph_capture == "call"
-
-    @property
-    def nested_regions(self) -> bool:
-        """Whether the repeated blocks are nested compile regions inside the whole-model compile (with graph_capture
-        "call" they are compiled on their own instead: inductor's C++ wrapper cannot compile nested regions)."""
-        return self.block_regions and not self.captured
-
-    def inductor_options(self, device: torch.device) -> dict:
-        """Options passed to this torch.compile call only (no process-wide inductor/dynamo config changes).
-
-        torch.compile takes either mode or options; a mode is expanded to its options so that CUDA graphs can be
-        switched on or off on top of it. Graphs are CUDA-only: on other devices the option is left off.
-        """
-        opts = {}
-        if self.mode in OWN_MODES:
-            opts = dict(OWN_MODES[self.mode])
-        elif self.mode != "default":
-            opts = torch_internals.mode_options(self.mode)
-            if not opts:
-                raise FluxAccelError(f"mode {self.mode!r} cannot be expanded to inductor options here ({opts}); "
-                                     f"set mode to 'default' on the Compile node.")
-        graphs = bool(self.cuda_graphs and torch.device(device).type == "cuda")
-        opts["triton.cudagraphs"] = graphs and not self.captured
-        if graphs and self.captured:
+    def inductor_options(self, capture: bool) -> dict:
+        """Options of FluxAccel's torch.compile calls only (no process-wide inductor/dynamo config changes).
+        capture: the calls are captured into CUDA graphs by FluxAccel (call_graphs.py)."""
+        opts = dict(_MODE_OPTIONS[self.mode]()) if self.mode in _MODE_OPTIONS else {}
+        if self.mode != "default" and not opts:
+            raise FluxAccelError(f"mode {self.mode!r} cannot be expanded to inductor options here ({opts}); set mode to "
+                                 f"'default' on the Compile node.")
+        opts["triton.cudagraphs"] = False  # FluxAccel captures whole calls (call_graphs.py)
+        if capture:
             opts["cpp_wrapper"] = True  # kernels launched from C++: the call can be captured under cudaMallocAsync
-            # A GPU graph's wrapper needs no CPU vector ISA (a CPU kernel in it would run unvectorized, still
-            # correct). torch 2.11 picks one anyway, checking each candidate by building a test library and loading
-            # it in a new Python process: ~30 s in every process that compiles or loads such a graph (bench/NOTES.md).
-            # Newer torch skips the check for GPU code; this does the same here. The ISA list inductor computes under
-            # it is dropped after FluxAccel's compile or load (torch_internals.vec_isa_list_kept).
+            # A GPU graph's wrapper needs no CPU vector ISA; torch 2.11 picks one anyway by building and loading test
+            # libraries in new processes, in every process that compiles or loads such a graph. Newer torch skips the
+            # pick for GPU code; this does the same here (the list inductor computes under it is dropped after:
+            # torch_internals.vec_isa_list_kept).
             opts["cpp.vec_isa_ok"] = False
-        # Round bf16 intermediates as eager does. Without it inductor keeps e.g. guidance * 1000 in float32 (3500)
-        # where eager rounds it to bf16 (3504): FLUX's sinusoidal embeddings turn that into a different output
-        # (35 % relative error on the tiny test model, 0.7 % with this option).
+        # Round bf16 intermediates as eager does: inductor would keep e.g. guidance * 1000 in float32 where eager
+        # rounds it to bf16, and FLUX's sinusoidal embeddings amplify the difference.
         opts["emulate_precision_casts"] = True
         return opts

@@ -52,8 +52,9 @@ def package_version(pkg: str) -> str | None:
         return None
 
 
-def cache_key(dm: torch.nn.Module, cfg, device: torch.device, variant: str = "", layout: str | None = None) -> str:
-    """variant: what the patched model differs by at load time (FP8 config, swapped modules); the module here is
+def cache_key(dm: torch.nn.Module, cfg, device: torch.device, options: dict, variant: str = "",
+              layout: str | None = None) -> str:
+    """options: the inductor options of the compile (config.inductor_options). variant: what the patched model differs by at load time (FP8 config, swapped modules); the module here is
     the unpatched one, so without it bf16, FP8 per-tensor and FP8 per-row compiles would share one file.
     layout: the model's architecture and storage as loaded (compile_patch.model_layout). Without it the live module
     tree is hashed, which holds whatever clone's patches are applied at that moment."""
@@ -67,9 +68,8 @@ def cache_key(dm: torch.nn.Module, cfg, device: torch.device, variant: str = "",
     else:
         for name, p in dm.named_parameters():
             h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{type(p.data).__name__}".encode())
-    # only what changes the compiled artifacts: the inductor options (graphs, mode), not resolution_policy etc.
-    options = (repr(sorted(cfg.inductor_options(device).items())) + f" block_regions={cfg.block_regions}"
-               + f" {reductions.KEY} {single_block.cache_tag(dm, cfg.single_blocks)}"
+    # only what changes the compiled artifacts: the inductor options (mode, C++ wrapper), not resolution_policy etc.
+    options = (repr(sorted(options.items())) + f" {reductions.KEY} {single_block.cache_tag(dm)}"
                + (f" attention={cfg.attention}" if cfg.attention != "cudnn" else ""))
     ident = {"format": 1, "torch": torch.__version__, "triton": package_version("triton"),
              "torchao": package_version("torchao"),
@@ -169,7 +169,7 @@ def clear(directory: Path | None = None) -> int:
                 if fh.read(len(magic)) == magic:
                     f.unlink()
                     n += 1
-    for f in d.glob("*.blocks") if d.is_dir() else []:  # graph_capture "call": a call's index of its block packages
+    for f in d.glob("*.blocks") if d.is_dir() else []:  # a call's index of its block packages
         if _is_block_index(f):
             f.unlink()
             n += 1

@@ -1,5 +1,5 @@
-"""The modulation table (the Compile node's modulation_table; "auto", the default, uses it on FLUX.1): every block's
-modulation computed once per prompt, for all of the sampler's sigmas, instead of at every model call.
+"""The modulation table (on FLUX.1 wherever the model allows it): every block's modulation computed once per prompt,
+for all of the sampler's sigmas, instead of at every model call.
 
 A FLUX.1 block's modulation is a Linear of SiLU(vec) with M = 1 (a row per batch entry): at every step each of the 76
 modulations reads its whole weight for one row (FLUX.1-dev: 3.2 billion bf16 weights, 6.4 GB per step, ~2.3 ms per

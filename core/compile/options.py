@@ -1,8 +1,8 @@
 """What of a model call's transformer_options reaches the compiled graph. Every key is one of:
 
-  checked  -- per-block patches and diffusion-model wrappers (CHECKED): the one whole-model graph would drop them,
-              so a call that carries any is refused, naming them; empty, they are left out (the block regions pass
-              their own patches_replace table)
+  checked  -- per-block patches and diffusion-model wrappers (CHECKED): the compiled blocks would drop them, so a
+              call that carries any is refused, naming them; empty, they are left out (the block table passes its
+              own patches_replace)
   not read -- the sampler's bookkeeping that ComfyUI's FLUX never reads (NOT_READ: per-call values such as uuids and
               sigmas, which would only add guards); a test reads ComfyUI's FLUX source to keep this list true
   passed   -- everything else goes into the graph: what FLUX reads (rope_options, the attention override) and any
@@ -35,7 +35,7 @@ def unsupported(transformer_options: dict) -> list[str]:
     return found + [f"diffusion_model wrapper '{k}'" for k, v in from_wrappers.items() if v]
 
 
-def refuse_unsupported(control, transformer_options: dict, kwargs: dict, regions, attention: str = "cudnn") -> None:
+def refuse_unsupported(control, transformer_options: dict, kwargs: dict, attention: str = "cudnn") -> None:
     """An error naming what the compiled graph cannot honour in this call; nothing if it can."""
     if attention == "fp8" and kwargs.get("attention_mask") is not None:
         raise FluxAccelError("The Compile node's attention 'fp8' (FlashAttention-3) takes no attention mask, and this "
@@ -52,15 +52,14 @@ def refuse_unsupported(control, transformer_options: dict, kwargs: dict, regions
     extra = unsupported(transformer_options)
     if extra:
         raise FluxAccelError(
-            f"The compiled FLUX model runs the whole model as one graph and would ignore per-block patches: "
+            f"The compiled FLUX model runs its own compiled blocks and would ignore per-block patches: "
             f"{', '.join(extra)}. Apply the node that adds them after removing Compile (FluxAccel), or bypass it.")
-    if regions is not None and kwargs.get("ref_latents") is not None and \
-            kwargs.get("ref_latents_method") == "index_timestep_zero":
-        # ComfyUI 0.33 then modulates the reference tokens per block (modulation_dims), which the block regions'
+    if kwargs.get("ref_latents") is not None and kwargs.get("ref_latents_method") == "index_timestep_zero":
+        # ComfyUI 0.33 then modulates the reference tokens per block (modulation_dims), which the compiled blocks'
         # replacement table does not pass: refuse rather than compute without it
-        raise FluxAccelError("The compiled FLUX model's block_regions cannot run reference latents with "
-                             "ref_latents_method 'index_timestep_zero' (per-token modulation inside the blocks). "
-                             "Turn block_regions off on the Compile node (FluxAccel) for this workflow.")
+        raise FluxAccelError("The compiled FLUX model cannot run reference latents with ref_latents_method "
+                             "'index_timestep_zero' (per-token modulation inside the blocks): bypass the Compile node "
+                             "(FluxAccel) for this workflow.")
 
 
 def passed(transformer_options: dict) -> dict:
@@ -79,10 +78,10 @@ def attention_override(attention: str):
     return OWN_ATTENTION[attention]
 
 
-def call_options(transformer_options: dict, regions=None, attention=sdpa_cudnn_first) -> dict:
-    """The transformer_options of one compiled call: the block regions' table, the passed keys, and the attention
-    FluxAccel compiles with (`attention`, an override) unless the workflow set its own override."""
-    opts = regions.transformer_options() if regions is not None else {}
+def call_options(transformer_options: dict, blocks=None, attention=sdpa_cudnn_first) -> dict:
+    """The transformer_options of one compiled call: the block table's replacements, the passed keys, and the
+    attention FluxAccel compiles with (`attention`, an override) unless the workflow set its own override."""
+    opts = blocks.transformer_options() if blocks is not None else {}
     opts.update(passed(transformer_options))
     opts.setdefault(OVERRIDE_KEY, attention)
     return opts

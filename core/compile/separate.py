@@ -35,13 +35,13 @@ import torch
 
 from ..upstream import Unavailable, comfy_internals
 from . import skeleton
-from .block_regions import for_config
+from .blocks import BlockTable
 from .config import CompileConfig
 from .kernel_cache import KernelCache
 from .reductions import persistent
 from .rope import torch_rope
 from .runner import recompile_budget
-from .warm_start import NotPackageable, Packages, WarmStart, aot_compile, call_description, portable, signature
+from .warm_start import NotPackageable, Packages, WarmStart, call_description, portable, signature
 
 log = logging.getLogger("fluxaccel.compile")
 
@@ -150,8 +150,8 @@ def room(device: torch.device, nbytes: int) -> str:
 class SeparateCompiles:
     """The separate-process compiles of one compiled model (one cache key), one per shape."""
 
-    def __init__(self, store: WarmStart, config, device: torch.device):
-        self.store, self.config, self.device = store, config, torch.device(device)
+    def __init__(self, store: WarmStart, config, device: torch.device, options: dict):
+        self.store, self.config, self.device, self.options = store, config, torch.device(device), options
         self.jobs: dict = {}  # ShapeKey -> Job
 
     def start(self, key, sig: str, dm: torch.nn.Module, args: tuple, kwargs: dict) -> Job:
@@ -173,7 +173,7 @@ class SeparateCompiles:
                   result_path=base.with_suffix(f".result{os.getpid()}.json"), nbytes=nbytes)
         header = {"key": self.store.key, "signature": sig, "cache_dir": str(self.store.dir), "device": str(self.device),
                   "call": call_description(args, kwargs),
-                  "config": dataclasses.asdict(self.config), "package": PACKAGE,
+                  "config": dataclasses.asdict(self.config), "options": self.options, "package": PACKAGE,
                   "package_dir": str(Path(__file__).resolve().parents[2]), "sys_path": list(sys.path),
                   "result": str(job.result_path), "parent": os.getpid()}
         try:
@@ -228,7 +228,7 @@ class SeparateCompiles:
         sig = self._signature(x, timestep, call_kwargs)
         if sig is None:
             return None
-        if compiled.packages.store.blocks_on_disk(sig) if self.config.captured else compiled.packages.on_disk(sig):
+        if compiled.packages.store.blocks_on_disk(sig):
             return None
         job = self.start(key, sig, compiled.runner.dm, (x, timestep), call_kwargs)
         compiled.stats.separate[key] = job.describe()
@@ -251,10 +251,9 @@ class SeparateCompiles:
             return None
 
     def record(self, compiled, key, x, timestep, context, transformer_options: dict, kwargs: dict) -> None:
-        """After a shape's first compiled call here (graph_capture "call": its blocks compiled or loaded in this
-        process): write the index of its per-block packages, so that a restart loads them instead of starting a
-        separate compile."""
-        blocks = compiled.packages.blocks_of(key) if self.config.captured else None
+        """After a shape's first compiled call here (its blocks compiled or loaded in this process): write the index
+        of its per-block packages, so that a restart loads them instead of starting a separate compile."""
+        blocks = compiled.packages.blocks_of(key)
         if not blocks:
             return
         sig = self._signature(x, timestep, compiled.runner.call_kwargs(context, transformer_options, kwargs))
@@ -306,22 +305,18 @@ def _compile(job: dict, dm: torch.nn.Module, device: torch.device, t0: float) ->
     if why:
         return {"saved": False, "error": why}
     store = WarmStart(h["key"], Path(h["cache_dir"]))
-    # graph_capture "call": each block kind compiled on its own into its package, in a run of the model's call
-    packages = Packages(store, cfg.inductor_options(device)) if cfg.captured else None
-    regions = for_config(dm, cfg, device, packages)
-    if regions is not None:
-        regions.shape = h["signature"]
-        kwargs["transformer_options"] = {**regions.transformer_options(), **kwargs["transformer_options"]}
+    # each block kind compiled on its own into its package, in a run of the model's call
+    packages = Packages(store, h["options"])
+    blocks = BlockTable(dm, h["options"], packages)
+    blocks.shape = h["signature"]
+    kwargs["transformer_options"] = {**blocks.transformer_options(), **kwargs["transformer_options"]}
     log.info("FluxAccel compile process: rebuilt the model and its call in %.1f s", time.perf_counter() - t0)
     cache = KernelCache(h["key"], Path(h["cache_dir"]))
     cache.load()
     with cache.recording(), recompile_budget(), torch_rope(), persistent():
-        if packages is None:
-            saved = store.save(h["signature"], aot_compile(dm, cfg.inductor_options(device), args, kwargs))
-        else:
-            dm(*args, **kwargs)  # the model around the blocks runs as it is, as in the server
-            blocks = packages.blocks_of(h["signature"])
-            saved = bool(blocks) and store.save_blocks(h["signature"], blocks)
+        dm(*args, **kwargs)  # the model around the blocks runs as it is, as in the server
+        index = packages.blocks_of(h["signature"])
+        saved = bool(index) and store.save_blocks(h["signature"], index)
     cache.save()
     seconds = round(time.perf_counter() - t0, 1)
     log.info("FluxAccel compile process: compiled in %.1f s, package %s", seconds, "saved" if saved else "NOT saved")

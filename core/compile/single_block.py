@@ -12,8 +12,7 @@ The forward below is ComfyUI's, line for line but for that call, so it runs only
     keeps its own forward, and the Compile node says so), and the functions it calls come from that class's module;
   * its linear2 is a plain-layout FP8 Linear with dynamic scales and the fused activation starting at the attention
     output's end (quant/linear.py takes_pair) and its mlp_act is the Identity put in the activation's place;
-  * the Compile node's `single_blocks` is "fluxaccel" and the blocks run through the block table (block_regions.py:
-    compiled regions, or traced inline where the call is captured whole).
+  * the blocks run through the block table (blocks.py).
 Anything else runs the block's own forward.
 """
 from __future__ import annotations
@@ -55,13 +54,11 @@ def known(cls: type) -> str:
     return ""
 
 
-def cache_tag(dm: torch.nn.Module, single_blocks: str) -> str:
-    """What the compiled graph's single blocks depend on (the compile cache's key): the forward asked for and, for
-    FluxAccel's, the source of the forward it stands in for."""
+def cache_tag(dm: torch.nn.Module) -> str:
+    """What the compiled single blocks depend on (the compile cache's key): the source of the forward FluxAccel's
+    stands in for."""
     blocks = getattr(dm, "single_blocks", None)
-    if single_blocks != "fluxaccel" or not blocks:
-        return f"single_blocks={single_blocks}"
-    return f"single_blocks=fluxaccel:{source_hash(type(blocks[0]))[:16] or 'unreadable'}"
+    return f"single_blocks=fluxaccel:{source_hash(type(blocks[0]))[:16] or 'unreadable' if blocks else 'none'}"
 
 
 def ready(block: torch.nn.Module) -> bool:

@@ -1,10 +1,9 @@
-"""The sampler's CPU inputs reach the GPU without making the host wait for it (the Compile node's stage_inputs).
+"""The sampler's CPU inputs reach the GPU without making the host wait for it (compiled models on a GPU).
 
 ComfyUI keeps the conditioning on the CPU and concatenates it anew for every model call; BaseModel._apply_model then
 copies it to the GPU with a blocking copy from pageable memory. That copy returns only once the GPU has reached it,
 so the host cannot prepare call n+1 while the GPU runs call n: after every call the GPU waits while the host walks
-from the copy to the next call's first kernel (H200, FLUX.1-schnell 512² with graph_capture "call": each call's
-replay launched ~6 ms late; bench/NOTES.md, 2026-12-03).
+from the copy to the next call's first kernel: a captured call's replay starts late by that walk.
 
 Staging copies each CPU tensor among the call's inputs (the latent, the conditioning, pooled vectors, guidance:
 not transformer_options) into pinned memory and from there to the GPU with a non-blocking copy, before ComfyUI's own

@@ -34,16 +34,9 @@ class CompileStats:
     shapes: list[ShapeKey] = field(default_factory=list)  # allowed to run compiled (ShapePolicy decides)
     compile_seconds: dict[ShapeKey, float] = field(default_factory=dict)
     calls: int = 0
-    marks: int = 0
     eager_calls: int = 0
     cache_loaded: bool = False
-    graph_skips: dict[ShapeKey, int] = field(default_factory=dict)  # inductor's cudagraph_skips at each compile
-    graphs_off_reason: str = ""  # CUDA graphs asked for but not possible in this process (compile_patch.py)
-    # warm calls: per shape, the calls during which inductor recorded CUDA graphs (1 expected: the first recording;
-    # more are re-recordings, e.g. weights at new addresses after ComfyUI reloaded the model) and the reason graphs
-    # stopped (inductor's re-record limit: it then runs the compiled graph without CUDA graphs)
-    recording_calls: dict[ShapeKey, int] = field(default_factory=dict)
-    graphs_lost: dict[ShapeKey, str] = field(default_factory=dict)
+    graphs_lost: dict[ShapeKey, str] = field(default_factory=dict)  # per shape, why its CUDA graph stopped
     compile_phases: dict[ShapeKey, dict[str, float]] = field(default_factory=dict)  # PHASES seconds per compile
     # per shape, how its compiled call came about (warm_start.py): "loaded" (a package: no tracing), "saved" (traced,
     # compiled and written for the next process), or why there is no package (it then re-traces after a restart)
@@ -66,11 +59,11 @@ class CompileStats:
 
     def copy(self) -> "CompileStats":
         """The stats of a derived CompiledFlux (CompiledFlux.derive): its own allowed shapes, counters and timing
-        windows; what the shared compiled callable has compiled (compile_seconds, phases, graph
-        skips) stays shared, so a shape one of them compiled is not 'compiled' again by the other."""
+        windows; what the shared compiled blocks have compiled (compile_seconds, phases) stays shared, so a shape
+        one of them compiled is not 'compiled' again by the other."""
         new = CompileStats(**{f: getattr(self, f) for f in self.__dataclass_fields__})
         new.shapes = list(self.shapes)
-        new.recording_calls, new.graphs_lost = dict(self.recording_calls), dict(self.graphs_lost)
+        new.graphs_lost = dict(self.graphs_lost)
         new.warm_start, new.degradations = dict(self.warm_start), list(self.degradations)
         new.separate = dict(self.separate)
         new.host_s, new.device_events = deque(self.host_s, maxlen=256), deque(self.device_events, maxlen=256)
@@ -80,9 +73,6 @@ class CompileStats:
         """Record (once per what) a part of the request that does not run as asked; the log says it where it happens."""
         if not any(d.what == what for d in self.degradations):
             self.degradations.append(Degradation(what, why, kind))
-
-    def rerecords(self) -> int:
-        return sum(max(0, n - 1) for n in self.recording_calls.values())
 
     def call_timings(self) -> dict:
         """Median host and device milliseconds per warm compiled call (synchronizes once to read the events)."""

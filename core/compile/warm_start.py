@@ -236,7 +236,7 @@ class WarmStart:
         return self.dir / f"{self.key}-{sig}.blocks"
 
     def blocks_on_disk(self, sig: str) -> bool:
-        """Whether a whole call of this signature has its per-block packages on disk (graph_capture "call"): its
+        """Whether a whole call of this signature has its per-block packages on disk: its
         index names them, and each is there."""
         try:
             names = json.loads(self.blocks_path(sig).read_text())["blocks"]
@@ -346,7 +346,7 @@ class Packages:
         return self.calls[sig]
 
     def blocks_of(self, shape) -> list[str] | None:
-        """The signatures of the per-block packages a call at `shape` used (graph_capture "call"), where every block
+        """The signatures of the per-block packages a call at `shape` used, where every block
         kind's package was saved or loaded; None otherwise."""
         parts = [k for k in self.signature_of if getattr(k, "shape", None) == shape]
         if not parts or any(self.outcome.get(k) not in ("saved", "loaded") for k in parts):
@@ -355,7 +355,7 @@ class Packages:
 
     def outcome_of(self, key) -> tuple[str | None, float | None]:
         """(how this shape's compiled call came about, seconds its packages took to load): its own outcome, or that of
-        its per-block packages (graph_capture "call": one per block kind, keyed by an object whose .shape is key)."""
+        its per-block packages (one per block kind, keyed by an object whose .shape is key)."""
         if key in self.outcome:
             return self.outcome[key], self.load_seconds.get(key)
         parts = [(k, v) for k, v in self.outcome.items() if getattr(k, "shape", None) == key]

@@ -12,15 +12,15 @@ import torch
 
 from .shapes import ShapeKey, dtype_name, references
 from .progress import Report
-from .patch import recompiled, remove_compile, with_own_shapes
+from .patch import with_own_shapes
 from ..errors import FluxAccelError
 from ..models.flux import latent_scale, require_flux
 from ..models.synthetic import synthetic_conditioning_for
-from ..quant.static_scales import StaticScalesConfig, calibrate, with_observers
 
 log = logging.getLogger("fluxaccel.warmup")
 
 NODE = "Warmup (FluxAccel)"
+REMOVED_INPUTS: tuple[str, ...] = ("activation_scales",)  # inputs the Warmup node had once
 TICKS = 100  # the Warmup node's progress-bar units per sampling step: its bar also moves inside a step that compiles
 
 
@@ -90,67 +90,40 @@ def _shapes(model, resolutions: list[tuple], batch_size: int, cfg: float, positi
         yield key, pos, neg, torch.zeros(batch_size, ch, h // scale, w // scale)
 
 
-def _sample(model, pos, neg, latent, steps: int, cfg: float, sampler: str, scheduler: str, on_step):
+def _sample(model, inputs: tuple, steps: int, cfg: float, on_step):
+    """Sample (positive, negative, latent) with euler/simple: what compiles and captures a shape."""
     import comfy.sample
 
-    comfy.sample.sample(model, comfy.sample.prepare_noise(latent, 0), steps, cfg, sampler, scheduler, pos, neg, latent,
+    pos, neg, latent = inputs
+    comfy.sample.sample(model, comfy.sample.prepare_noise(latent, 0), steps, cfg, "euler", "simple", pos, neg, latent,
                         callback=(lambda *a: on_step()) if on_step else None, disable_pbar=True, seed=0)
 
 
-def _with_static_scales(model, scales: StaticScalesConfig, shapes: list, steps: int, cfg: float, sampler: str,
-                        scheduler: str, on_step):
-    """A clone of `model` with static activation scales calibrated by sampling every shape uncompiled (the
-    workflow's conditioning, its steps), and a compiled model of its own (compile/patch.py recompiled)."""
-    clone, wrappers = with_observers(model, NODE)
-    eager = remove_compile(clone)  # the same wrappers, uncompiled: they observe
-
-    def run():
-        for _key, pos, neg, latent in shapes:
-            _sample(eager, pos, neg, latent, steps, cfg, sampler, scheduler, on_step)
-
-    sizes = ", ".join(key.describe() for key, *_ in shapes)
-    calibrate(clone, wrappers, scales, run, f"{sizes}; {steps} {sampler}/{scheduler} steps, cfg {cfg:g}, the "
-                                            f"workflow's conditioning")
-    return recompiled(clone)[0]
-
-
 def warmup(model, resolutions: list[tuple], batch_size: int = 1, text_length: int = 256, cfg: float = 1.0,
-           steps: int = 2, positive=None, negative=None, sampler: str = "euler", scheduler: str = "simple",
-           on_step: Callable[[], None] | None = None, on_compile: Report | None = None,
-           static_scales: StaticScalesConfig | None = None):
+           steps: int = 2, positive=None, negative=None, on_step: Callable[[], None] | None = None,
+           on_compile: Report | None = None):
     """Sample `steps` steps at each resolution (with its reference-image sizes, if it lists any). Returns (model, {shape
     description: seconds of its first sampling run}): a clone whose compiled model allows these shapes; the input model
     (the Compile node's output) keeps its own shapes and policy, also when warming up fails. on_compile(text, seconds):
-    every second while a shape compiles (compile_progress.py).
-
-    static_scales: first calibrate static FP8 activation scales (quant/static_scales.py) over `steps` steps at each
-    resolution with the workflow's own conditioning (positive, and negative with cfg > 1, must be given); the returned
-    clone runs them, compiled on its own."""
+    every second while a shape compiles (progress.py)."""
     dm = require_flux(model, NODE)
-    if static_scales is not None:
-        if positive is None or (cfg > 1 and negative is None):
-            missing = "positive" if positive is None else "negative (cfg > 1)"
-            raise FluxAccelError(f"{NODE}: activation_scales 'static' calibrates on your prompts' conditioning: "
-                                 f"connect {missing}, or set activation_scales 'dynamic'.")
     if positive is None:
         positive = synthetic_conditioning_for(dm, text_length)
     if negative is None:
         negative = synthetic_conditioning_for(dm, positive[0][0].shape[1], seed=1)
     shapes = list(_shapes(model, resolutions, batch_size, cfg, positive, negative))
-    if static_scales is not None:
-        model = _with_static_scales(model, static_scales, shapes, steps, cfg, sampler, scheduler, on_step)
     model, compiled = with_own_shapes(model)
     seconds = {}
     with compiled.compiling_here() if compiled is not None else contextlib.nullcontext():
         for key, pos, neg, latent in shapes:
-            seconds[key.describe()] = _warm_one(model, compiled, key, pos, neg, latent, steps, cfg, sampler,
-                                                scheduler, on_step, on_compile)
+            seconds[key.describe()] = _warm_one(model, compiled, (key, pos, neg, latent), steps, cfg, on_step,
+                                                on_compile)
     return model, seconds
 
 
-def _warm_one(model, compiled, key, pos, neg, latent, steps: int, cfg: float, sampler: str, scheduler: str, on_step,
-              on_compile) -> float:
-    """Sample one shape (compiling it, in this process); its seconds."""
+def _warm_one(model, compiled, shape: tuple, steps: int, cfg: float, on_step, on_compile) -> float:
+    """Sample one shape ((key, positive, negative, latent): compiling it, in this process); its seconds."""
+    key, pos, neg, latent = shape
     if compiled is not None:
         compiled.register_shape(key)
     t0 = time.perf_counter()
@@ -158,7 +131,7 @@ def _warm_one(model, compiled, key, pos, neg, latent, steps: int, cfg: float, sa
     if compiled is not None and on_compile is not None:
         compiled.on_progress = on_compile
     try:
-        _sample(model, pos, neg, latent, steps, cfg, sampler, scheduler, on_step)
+        _sample(model, (pos, neg, latent), steps, cfg, on_step)
     finally:
         if compiled is not None:
             compiled.on_progress = before

@@ -1,9 +1,12 @@
 """Recognise a FLUX ModelPatcher and refuse, with a clear message, what we cannot accelerate."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..errors import FluxAccelError
+from .loaded import foreign_graph_compilers, require_compatible, resident
 from .profiles import Profile, require_profile
 
 FP8_DTYPES = tuple(
@@ -69,3 +72,46 @@ def partial_load_guard(node: str):
         require_fully_loaded(patcher, node)
 
     return on_load
+
+
+@dataclass(frozen=True)
+class FluxModel:
+    """A MODEL as a FluxAccel node works on it, checked once: the resident patcher (resident.py: fixed weights, for a
+    dynamic-VRAM model a copy sharing its storage), its diffusion model and architecture profile, and the node that
+    asked (its name is in every message)."""
+
+    model: object
+    dm: torch.nn.Module
+    profile: Profile
+    node: str
+
+    @classmethod
+    def of(cls, model, node: str, quantized_ok: bool = False) -> "FluxModel":
+        """The checked resident model, or an error saying what to do. quantized_ok: the caller (Quantize FP8)
+        handles checkpoint-quantized weights itself."""
+        require_flux(model, node)
+        model = resident(model, node)
+        dm = require_flux(model, node)
+        require_fully_loaded(model, node)
+        require_compatible(model, dm, node, quantized_ok)
+        return cls(model, dm, profile(model, node), node)
+
+    @property
+    def scale(self) -> int:
+        return latent_scale(self.model)
+
+    @property
+    def references(self) -> bool:
+        return self.profile.references
+
+    @property
+    def foreign_graphs(self) -> list[str]:
+        return foreign_graph_compilers(self.model)
+
+    @property
+    def on_load_type(self) -> str:
+        return on_load_callback_type()
+
+    @property
+    def partial_load_guard(self):
+        return partial_load_guard(self.node)

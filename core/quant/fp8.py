@@ -3,13 +3,13 @@
 The quantized Linear as ComfyUI runs it is in linear.py, the patching of a ComfyUI model in patch.py; this file
 knows nothing of ComfyUI.
 Quantization itself is torchao's: quantize_ with Float8DynamicActivationFloat8WeightConfig
-(dynamic FP8 activations, FP8 weights, e4m3), per-tensor or per-row scales. Two layouts of the result:
-"subclass" keeps torchao's Float8Tensor weight parameter; "plain" keeps its FP8 data and scale as plain
-tensors and runs torchao's own activation quantization and scaled GEMM functions on them (fp8_linear), so a
-compiled model takes no tensor-subclass inputs (no per-call flatten/unflatten or subclass guards).
+(dynamic FP8 activations, FP8 weights, e4m3), per-tensor or per-row scales. Its Float8Tensor is kept as its FP8
+data and scale, plain tensors, and run through torchao's own activation quantization and scaled GEMM functions
+(fp8_linear), so a compiled model takes no tensor-subclass inputs (no per-call flatten/unflatten or subclass guards).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Iterable, Literal
@@ -18,19 +18,19 @@ import torch
 
 from ..env import require_torchao
 from ..errors import FluxAccelError
+from ..inputs import node_field, node_inputs
 from ..models.profiles import FLUX1, Profile
+from ..upstream import say, torchao_internals
 from ..upstream.torchao_internals import float8_primitives
 from . import act_quant
 from .act_quant import SILU_UNAVAILABLE as SILU_GATE_OP_UNAVAILABLE, UNAVAILABLE as GELU_OP_UNAVAILABLE
 
 Granularity = Literal["per_tensor", "per_row"]
 Scope = Literal["blocks", "blocks+modulation", "all_linear"]
-Layout = Literal["subclass", "plain"]
 GRANULARITIES: tuple[str, ...] = ("per_tensor", "per_row")
 SCOPES: tuple[str, ...] = ("blocks", "blocks+modulation", "all_linear")
-LAYOUTS: tuple[str, ...] = ("subclass", "plain")
-DEFAULT_LAYOUT: Layout = "plain"  # measured faster on the H200 at both benchmark shapes (bench/NOTES.md, session 4)
-
+# inputs the Quantize FP8 node had once, which saved workflows may still set: FluxAccel decides them now
+REMOVED_INPUTS: tuple[str, ...] = ("layout", "fuse_gelu", "fuse_silu_gate")
 
 
 @dataclass(frozen=True)
@@ -44,66 +44,56 @@ class Fp8Config:
                          FLUX.2's three shared modulations, Chroma's distilled guidance network)
       all_linear         every Linear, embedders and final layer included
 
-    layout:
-      plain              FP8 data + scale as plain tensors, same torchao numerics (see fp8_linear); the
-                         default (DEFAULT_LAYOUT)
-      subclass           the weight stays torchao's Float8Tensor (F.linear dispatches to torchao)
+    The weights are held as plain tensors (FP8 data and scales) and run through torchao's own functions (fp8_linear):
+    a compiled model takes no tensor-subclass inputs. Where an MLP activation feeds an FP8 Linear (FLUX.1's GELU,
+    FLUX.2's SiLU gate) and the scales are per row, the activation and the quantization run in one pass
+    (act_fusion.py); fusion_unavailable says why not elsewhere.
     """
 
-    granularity: Granularity = "per_row"
-    scope: Scope = "blocks"
-    layout: Layout = DEFAULT_LAYOUT
-    # the MLP's GELU moved into the next FP8 Linear, GELU and row-wise quantization in one pass (act_fusion.py);
-    # per_row scales and the plain layout only (fusion_unavailable says why not)
-    fuse_gelu: bool = True
-    # the same for FLUX.2's SiLU-gated MLPs: SiLU(m1) * m2 and the quantization in one pass (act_fusion.py)
-    fuse_silu_gate: bool = True
+    granularity: Granularity = dataclasses.field(default="per_row", metadata=node_field())
+    scope: Scope = dataclasses.field(default="blocks", metadata=node_field())
 
     def __post_init__(self):
         if self.granularity not in GRANULARITIES:
             raise FluxAccelError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
         if self.scope not in SCOPES:
             raise FluxAccelError(f"scope must be one of {SCOPES}, got {self.scope!r}")
-        if self.layout not in LAYOUTS:
-            raise FluxAccelError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+
+    @classmethod
+    def from_inputs(cls, inputs: dict, node: str) -> "Fp8Config":
+        return cls(**node_inputs(cls, inputs, REMOVED_INPUTS, node))
 
     def key(self) -> list[str]:
         """What identifies this config in a model's options (and in compile-cache keys)."""
         return self.weights_key() + [f"{act.replace('_', '-')}-fused" for act in self.fused_activations()]
 
     def fused_activations(self) -> tuple[str, ...]:
-        """The activations ("gelu", "silu_gate") this config asks to fuse and can."""
-        asked = (("gelu", self.fuse_gelu), ("silu_gate", self.fuse_silu_gate))
-        return tuple(act for act, on in asked if on and not self.fusion_unavailable(act))
+        """The activations ("gelu", "silu_gate") fused into the FP8 quantization under this config, here."""
+        return tuple(act for act in ("gelu", "silu_gate") if not self.fusion_unavailable(act))
 
     def weights_key(self) -> list[str]:
         """What decides the FP8 weights themselves (the FP8 weights cache's key)."""
-        return [self.granularity, self.scope, self.layout]
+        return [self.granularity, self.scope, "plain"]
 
     def fusion_unavailable(self, act: str) -> str:
-        """Why this config cannot fuse the activation `act` ("gelu", "silu_gate") into the FP8 quantization ('' where
-        it can)."""
+        """Why the activation `act` ("gelu", "silu_gate") cannot be fused into the FP8 quantization here ('' where it
+        can)."""
         if self.granularity != "per_row":
             return "per_tensor activation scales need the whole tensor's absmax before any row is quantized"
-        if self.layout != "plain":
-            return "the subclass layout quantizes inside torchao's Float8Tensor"
         return GELU_OP_UNAVAILABLE if act == "gelu" else SILU_GATE_OP_UNAVAILABLE
 
     def torchao_config(self):
         """The torchao config; set_inductor_config=False keeps process-wide inductor settings untouched, and the
-        kernel preference is pinned to torchao's TORCH path (torch._scaled_mm), the one fp8_linear replays, so the
-        subclass and plain layouts compute the same by construction (AUTO may pick an optional kernel library)."""
+        kernel preference is pinned to torchao's TORCH path (torch._scaled_mm), the one fp8_linear replays."""
         require_torchao()
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor
 
         gran = PerRow() if self.granularity == "per_row" else PerTensor()
-        from ..upstream import say, torchao_internals
-
         torch_path = torchao_internals.torch_kernel_preference()
         pin = {"kernel_preference": torch_path} if torch_path else {}
         if not torch_path:  # an older torchao has only the TORCH path; a newer one may pick another kernel library
-            say(torch_path, "torchao picks its FP8 GEMM kernel itself: the 'subclass' and 'plain' layouts may differ "
-                            "in rounding", level=logging.INFO)
+            say(torch_path, "torchao picks its FP8 GEMM kernel itself: FluxAccel's FP8 Linear may round differently "
+                            "from torchao's own", level=logging.INFO)
         return Float8DynamicActivationFloat8WeightConfig(granularity=gran, set_inductor_config=False, **pin)
 
 
@@ -141,21 +131,19 @@ def select_linears(named_linears: Iterable[tuple[str, torch.nn.Linear]], cfg: Fp
 
 
 def is_fp8_weight(t: torch.Tensor) -> bool:
-    """A torchao Float8Tensor (the "subclass" layout's weight)."""
+    """A torchao Float8Tensor (what torchao's quantize_ makes of a weight, before quantize_linear keeps its parts)."""
     return hasattr(t, "qdata") and hasattr(t, "scale")
 
 
 def linear_weight_bytes(m: torch.nn.Linear) -> int:
     """Bytes the weight of a Linear occupies: FP8 data plus scales once quantized, plain size otherwise."""
     w = m.weight
-    if is_fp8_weight(w):
-        return w.qdata.numel() * w.qdata.element_size() + w.scale.numel() * w.scale.element_size()
     scale = getattr(m, "fp8_weight_scale", None)
     extra = scale.numel() * scale.element_size() if scale is not None else 0
     return w.numel() * w.element_size() + extra
 
 
-_AO = None  # torchao's float8 primitives (upstream/torchao_internals.py), found when a plain-layout Linear is made
+_AO = None  # torchao's float8 primitives (upstream/torchao_internals.py), found when an FP8 Linear is made
 
 
 def float8_ops():
@@ -164,32 +152,25 @@ def float8_ops():
     if _AO is None:
         found = float8_primitives()
         if not found:
-            raise FluxAccelError(f"Quantize FP8's 'plain' layout calls torchao's float8 functions, but {found}. Set "
-                                 f"layout to 'subclass' on Quantize FP8, or install torchao 0.17 or 0.18.")
+            raise FluxAccelError(f"Quantize FP8 calls torchao's float8 functions, but {found}. Install torchao 0.17 "
+                                 f"or 0.18: python -m pip install 'torchao>=0.17,<0.19'")
         _AO = found
     return _AO
 
 
 def fp8_linear(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-               act_kwargs, mm_config, act_scale: torch.Tensor | None = None) -> torch.Tensor:
+               act_kwargs, mm_config) -> torch.Tensor:
     """torchao's Float8Tensor linear on plain tensors: the functions its torch-kernel path calls, in its order.
 
     x: activations (..., K) in the compute dtype; w_data: FP8 weight data (N, K); w_scale: its scales, (N, 1)
     per-row or (1, 1) per-tensor; act_kwargs: the weight's QuantizeTensorToFloat8Kwargs (how torchao quantizes
     activations); mm_config: the weight's Float8MMConfig. Bit-identical to F.linear(x, Float8Tensor weight) in
-    eager mode (tests/core/test_fp8.py); torchao's optional MSLK kernels (not installed here) are not used.
-
-    act_scale: a static activation scale (one float32 value, static_scales.py) instead of each call's absmax: the same
-    value in every position of the scale torchao would compute (per row or per tensor), so the GEMM is unchanged and
-    the quantization is a pointwise cast (torchao's quantize clamps to the FP8 range: larger values saturate).
+    eager mode (tests/core/quant/test_fp8.py); torchao's optional MSLK kernels (not installed here) are not used.
     """
     ao = _AO or float8_ops()
     block = list(ao.get_block_size(x.shape, act_kwargs.granularity))
-    if act_scale is None:
-        x_scale = ao.choose_scale(x, float8_dtype=act_kwargs.float8_dtype, block_size=block,
-                                  hp_value_lb=act_kwargs.hp_value_lb, hp_value_ub=act_kwargs.hp_value_ub)
-    else:
-        x_scale = act_scale.reshape([1] * x.dim()).expand([n // b for n, b in zip(x.shape, block)]).contiguous()
+    x_scale = ao.choose_scale(x, float8_dtype=act_kwargs.float8_dtype, block_size=block,
+                              hp_value_lb=act_kwargs.hp_value_lb, hp_value_ub=act_kwargs.hp_value_ub)
     x_data = ao.quantize(x, x_scale, act_kwargs.float8_dtype)
     return _scaled_gemm(ao, x_data.reshape(-1, x_data.shape[-1]), ao.preprocess_scale(x_scale, x.shape), w_data,
                         w_scale, bias, mm_config, x)

@@ -11,48 +11,42 @@ import torch
 from ..env import require_torchao
 from ..errors import FluxAccelError
 from ..upstream import Unavailable, say, torch_internals
-from ..upstream.torchao_internals import map_float8_data
-from .act_quant import activation_columns
 from .fp8 import Fp8Config, float8_ops, fp8_linear, fp8_linear_act, fp8_linear_act_pair, is_fp8_weight
 
 
-class _Fp8DeviceMove:
-    """Mixin for quantized Linears: moves an FP8 weight by moving its plain tensors (qdata, scale), and refuses
-    weight patches that arrive after quantization (see convert_weight).
+class _Fp8Linear:
+    """Mixin of FluxAccel's FP8 Linears: weight = FP8 data (a plain float8 Parameter), buffer fp8_weight_scale = its
+    scales; forward runs fp8_linear with the torchao kwargs kept from quantization. ComfyUI's per-call cast and
+    weight-function paths are bypassed (the FP8 GEMM returns the activation dtype itself; weight patches that arrive
+    after quantization are refused: convert_weight)."""
 
-    ComfyUI moves modules with Module.to() when it loads/unloads a model. With torch 2.11 and torchao 0.18,
-    Float8Tensor.to(other device) fails in torch's aliasing check of aten.to ("Attempted to set the storage
-    of a tensor on device cpu to a storage on different device cuda:0"); torchao's _apply_fn_to_data moves
-    the components instead and rebuilds the Float8Tensor, on every torch version.
-    """
+    # act_fusion.py: the MLP activation done here ("gelu", or FLUX.2's "silu_gate") and the first input column it
+    # applies to; the activation and the row-wise quantization run in one pass
+    fused_act = None
+    act_from = None
 
     def _apply(self, fn, recurse=True):
-        """FP8 weights (a Float8Tensor, or the plain layout's float8 data and its fp8_weight_scale) move devices but
-        keep their dtypes: a dtype cast of the module (.to(torch.bfloat16), .half()) would turn FP8 data into plain
-        values without their scale. Everything else (the bias) follows fn as usual."""
-        w = self._parameters.get("weight")
-        scale = self._buffers.get("fp8_weight_scale")
-        if w is None or not (is_fp8_weight(w) or scale is not None):
+        """The FP8 data and its scale move devices but keep their dtypes: a dtype cast of the module
+        (.to(torch.bfloat16), .half()) would turn FP8 data into plain values without their scale. Everything else
+        (the bias) follows fn as usual."""
+        w, scale = self._parameters.get("weight"), self._buffers.get("fp8_weight_scale")
+        if w is None or scale is None:
             return super()._apply(fn, recurse)
-        del self._parameters["weight"]
-        if scale is not None:
-            del self._buffers["fp8_weight_scale"]
+        del self._parameters["weight"], self._buffers["fp8_weight_scale"]
         try:
             super()._apply(fn, recurse)  # bias and anything else the usual way
         finally:
             target = fn(torch.empty(0, device=w.device)).device
             if target != w.device:
-                moved = map_float8_data(w, lambda t: t.to(target)) if is_fp8_weight(w) else w.to(target)
-                w = torch.nn.Parameter(moved, requires_grad=False)
+                w = torch.nn.Parameter(w.to(target), requires_grad=False)
             self._parameters["weight"] = w
-            if scale is not None:
-                self._buffers["fp8_weight_scale"] = scale.to(target)
+            self._buffers["fp8_weight_scale"] = scale.to(target)
         return self
 
     def convert_weight(self, weight, inplace=False, **kwargs):
         """ComfyUI calls this (found by get_key_weight) when it applies a weight patch (LoRA, ...) to this Linear,
         before computing the patched weight. Reached only by a patch added *after* quantization (patches present
-        before are merged into the FP8 weights by fp8_patch.apply_fp8): refuse, rather than patch or drop it."""
+        before are merged into the FP8 weights by quant/patch.py): refuse, rather than patch or drop it."""
         raise FluxAccelError(
             "A LoRA (or another weight patch) reaches a Linear that Quantize FP8 (FluxAccel) already quantized; FP8 "
             "weights cannot be patched afterwards. Put LoraLoaderModelOnly (and other weight-patching nodes) before "
@@ -60,44 +54,18 @@ class _Fp8DeviceMove:
 
     set_weight = convert_weight
 
-
-def takes_pair(m: torch.nn.Module, first: int) -> bool:
-    """Whether m is a plain-layout FP8 Linear with dynamic scales whose fused activation starts at column `first`,
-    i.e. can run fp8_forward_pair on (a, m) with `first` columns in a."""
-    return isinstance(m, _Fp8Plain) and m.fused_act is not None and m.act_from == first
-
-
-def is_fp8_linear(m: torch.nn.Module) -> bool:
-    """A Linear quantized by quantize_linear, in either layout."""
-    return isinstance(m, _Fp8DeviceMove)
-
-
-class _Fp8Plain(_Fp8DeviceMove):
-    """The "plain" layout: weight = FP8 data (a plain float8 Parameter), buffer fp8_weight_scale = its scales; forward
-    runs fp8_linear with the torchao kwargs kept from quantization. ComfyUI's per-call cast and weight-function
-    paths are bypassed (the FP8 GEMM returns the activation dtype itself; weight patches are refused)."""
-
-    # act_fusion.py: the MLP activation done here ("gelu", or FLUX.2's "silu_gate") and the first input column it
-    # applies to; the activation and the row-wise quantization run in one pass (dynamic scales)
-    fused_act = None
-    act_from = None
-
     def forward(self, x, *args, **kwargs):
         return self.fp8_forward(x)
 
-    def fp8_forward(self, x, act_scale=None):
-        """The FP8 GEMM of x, with each call's activation scales or a static one (static_scales.py); where an MLP
-        activation was fused into this Linear (fused_act), the activation and the row-wise quantization in one pass
-        (dynamic scales)."""
+    def fp8_forward(self, x):
+        """The FP8 GEMM of x; where an MLP activation was fused into this Linear (fused_act), the activation and the
+        row-wise quantization in one pass."""
         if self.weight_function or self.bias_function:
             self.convert_weight(self.weight)  # a lowvram/LoRA weight function reached an FP8 Linear: refuse
         if self.fused_act is not None:
-            if act_scale is None:
-                return fp8_linear_act(x, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs,
-                                      self.fp8_mm_config, self.fused_act, self.act_from)
-            x = self.activation_input(x)
-        return fp8_linear(x, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs, self.fp8_mm_config,
-                          act_scale)
+            return fp8_linear_act(x, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs,
+                                  self.fp8_mm_config, self.fused_act, self.act_from)
+        return fp8_linear(x, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs, self.fp8_mm_config)
 
     def fp8_forward_pair(self, a, m):
         """forward(torch.cat((a, m), -1)) for a Linear whose fused activation starts at a's end (act_from), without
@@ -111,42 +79,43 @@ class _Fp8Plain(_Fp8DeviceMove):
         return fp8_linear_act_pair(a, m, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs,
                                    self.fp8_mm_config, self.fused_act)
 
-    def activation_input(self, x):
-        """What this Linear quantizes of its input x: x itself, or x with the fused activation applied."""
-        return x if self.fused_act is None else activation_columns(x, self.fused_act, self.act_from)
+
+def takes_pair(m: torch.nn.Module, first: int) -> bool:
+    """Whether m is an FP8 Linear whose fused activation starts at column `first`, i.e. can run fp8_forward_pair on
+    (a, m) with `first` columns in a."""
+    return isinstance(m, _Fp8Linear) and m.fused_act is not None and m.act_from == first
 
 
-_FP8_CLASSES: dict[tuple[type, str], type] = {}
+def is_fp8_linear(m: torch.nn.Module) -> bool:
+    """A Linear quantized by quantize_linear."""
+    return isinstance(m, _Fp8Linear)
 
 
-def _fp8_class(cls: type, layout: str) -> type:
+_FP8_CLASSES: dict[type, type] = {}
+
+
+def _fp8_class(cls: type) -> type:
     """The quantized variant of a Linear class (ComfyUI's op classes differ per model): cls + our mixin."""
-    if (cls, layout) not in _FP8_CLASSES:
-        mixin = _Fp8Plain if layout == "plain" else _Fp8DeviceMove
-        name = f"FluxAccelFp8{'Plain' if layout == 'plain' else ''}{cls.__name__}"
-        _FP8_CLASSES[cls, layout] = type(name, (mixin, cls), {"__module__": __name__})
-    return _FP8_CLASSES[cls, layout]
+    if cls not in _FP8_CLASSES:
+        _FP8_CLASSES[cls] = type(f"FluxAccelFp8{cls.__name__}", (_Fp8Linear, cls), {"__module__": __name__})
+    return _FP8_CLASSES[cls]
 
 
-def fp8_class_origin(cls: type) -> tuple[type, str] | None:
-    """(the ComfyUI Linear class, the layout) an FP8 Linear class was made from; None for any other class."""
-    for origin, made in _FP8_CLASSES.items():
-        if made is cls:
-            return origin
-    return None
+def fp8_class_origin(cls: type) -> type | None:
+    """The ComfyUI Linear class an FP8 Linear class was made from; None for any other class."""
+    return next((origin for origin, made in _FP8_CLASSES.items() if made is cls), None)
 
 
-def rebuild_fp8_class(cls: type, layout: str) -> type:
-    """The FP8 Linear class of (cls, layout) in this process (a pickled model's FP8 Linears are rebuilt with it); the
-    plain layout's torchao functions are found here, outside any trace, as quantizing finds them."""
-    if layout == "plain":
-        float8_ops()
-    return _fp8_class(cls, layout)
+def rebuild_fp8_class(cls: type) -> type:
+    """The FP8 Linear class of `cls` in this process (a pickled model's FP8 Linears are rebuilt with it); torchao's
+    functions are found here, outside any trace, as quantizing finds them."""
+    float8_ops()
+    return _fp8_class(cls)
 
 
 def _to_plain(q: torch.nn.Linear) -> None:
     """Replace a Float8Tensor weight by its data and scale as plain tensors (the same storage, no copy)."""
-    float8_ops()  # refuses the layout here, before any model call, where torchao moved them
+    float8_ops()  # refuses here, before any model call, where torchao moved them
     w = q.weight
     q.fp8_act_kwargs, q.fp8_mm_config = w.act_quant_kwargs, w.mm_config
     q.weight = torch.nn.Parameter(w.qdata, requires_grad=False)
@@ -186,8 +155,8 @@ def detached_copy(linear: torch.nn.Linear, device: torch.device, compute_dtype=N
 
 def quantize_linear(linear: torch.nn.Linear, cfg: Fp8Config, device: torch.device | str,
                     compute_dtype=None, params: dict[str, torch.Tensor] | None = None) -> torch.nn.Linear:
-    """Return an FP8 copy of `linear` on `device` (weight: torchao Float8Tensor, or its plain tensors with
-    cfg.layout 'plain'), quantized from `params` (weight/bias) where given; `linear` is untouched."""
+    """Return an FP8 copy of `linear` on `device` (torchao's quantization, kept as plain FP8 data and scales),
+    quantized from `params` (weight/bias) where given; `linear` is untouched."""
     require_torchao()
     from torchao.quantization import quantize_
 
@@ -197,15 +166,14 @@ def quantize_linear(linear: torch.nn.Linear, cfg: Fp8Config, device: torch.devic
         quantize_(new, cfg.torchao_config())
     if not is_fp8_weight(new.weight):
         raise FluxAccelError(f"torchao left a {tuple(linear.weight.shape)} Linear unquantized; report this as a bug.")
-    if cfg.layout == "plain":
-        _to_plain(new)
-    new.__class__ = _fp8_class(type(linear), cfg.layout)
+    _to_plain(new)
+    new.__class__ = _fp8_class(type(linear))
     return new
 
 
 def plain_from_parts(linear: torch.nn.Linear, weight: torch.Tensor, scale: torch.Tensor, like: torch.nn.Linear,
                      device: torch.device | str, compute_dtype=None) -> torch.nn.Linear:
-    """The 'plain' FP8 Linear of `linear` from stored FP8 data and scales (the FP8 weights cache) instead of
+    """The FP8 Linear of `linear` from stored FP8 data and scales (the FP8 weights cache) instead of
     quantizing: `like`, a Linear quantize_linear made with the same config, gives torchao's activation and GEMM
     settings."""
     new = detached_copy(linear, torch.device(device), compute_dtype, {"weight": weight})
@@ -214,5 +182,5 @@ def plain_from_parts(linear: torch.nn.Linear, weight: torch.Tensor, scale: torch
     for attr in ("weight_function", "bias_function"):
         if not hasattr(new, attr):
             setattr(new, attr, [])
-    new.__class__ = _fp8_class(type(linear), "plain")
+    new.__class__ = _fp8_class(type(linear))
     return new

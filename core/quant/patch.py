@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 from comfy.patcher_extension import WrappersMP
 
-from ..upstream import comfy_internals
+from ..upstream import Unavailable, comfy_internals
 from ..models.loaded import (checkpoint_format, is_checkpoint_quantized, linear_like, require_compatible,
                            resident)
 from ..env import require_fp8_device, require_torch, require_torchao
@@ -26,7 +26,7 @@ from ..errors import FluxAccelError
 from ..models import swaps
 from ..models.flux import (on_load_callback_type, partial_load_guard, profile, require_bf16_weights, require_flux,
                            require_fully_loaded)
-from .fp8 import DEFAULT_LAYOUT, Fp8Config, linear_weight_bytes, select_linears
+from .fp8 import Fp8Config, linear_weight_bytes, select_linears
 from . import act_fusion, weights_cache
 from .linear import detached_copy, is_fp8_linear, plain_from_parts, quantize_linear
 
@@ -47,7 +47,6 @@ class Fp8Report:
     bytes_after: int = 0
     already_applied: bool = False
     merged_patches: list[str] = field(default_factory=list)  # weight patches (LoRA, ...) merged before quantizing
-    layout: str = DEFAULT_LAYOUT
     # a checkpoint already quantized by ComfyUI's mixed-precision ops (scaled FP8, ...): its format -> how many of the
     # quantized Linears were re-quantized from their dequantized weights; and those outside the scope, now bf16
     requantized: dict[str, int] = field(default_factory=dict)
@@ -62,11 +61,10 @@ class Fp8Report:
         return self.bytes_before - self.bytes_after
 
     def summary(self) -> str:
-        layout = ", plain-tensor layout" if self.layout == "plain" else ""
         if self.already_applied:
-            head = f"FP8 {self.granularity}/{self.scope}{layout} already applied to this model: nothing done."
+            head = f"FP8 {self.granularity}/{self.scope} already applied to this model: nothing done."
         else:
-            head = f"FP8 {self.granularity}, scope {self.scope}{layout}, on {self.device}:"
+            head = f"FP8 {self.granularity}, scope {self.scope}, on {self.device}:"
         gib = 1024**3
         lines = [
             head,
@@ -174,7 +172,7 @@ def _refuse_late_weight_patches(fp8_modules: list[str], node: str):
     """A PREPARE_SAMPLING wrapper (ComfyUI's sampler merges the patcher's wrappers and runs it before it loads the
     model): weight patches on FP8 Linears -- a LoRA added after Quantize FP8 -- are refused with what to do, before
     ComfyUI would try to patch FP8 data (0.33 casts a Float8Tensor weight first and fails with torchao's
-    "unimplemented operator"). Outside the sampler a plain-layout Linear refuses them itself (convert_weight)."""
+    "unimplemented operator"). Outside the sampler an FP8 Linear refuses them itself (convert_weight)."""
     fp8_weights = {f"{k}.weight" for k in fp8_modules}
 
     def prepare_sampling(executor, model, *args, **kwargs):
@@ -209,41 +207,38 @@ class _Kept(dict):
         return self
 
 
-def _string_to_seed():
-    """ComfyUI's per-key rounding seed: comfy.utils on 0.33 (comfy.model_patcher's name there is a shim that logs a
-    warning per call), comfy.model_patcher on 0.3.75."""
-    import comfy.utils
-
-    fn = getattr(comfy.utils, "string_to_seed", None)
-    if fn is None:
-        from comfy.model_patcher import string_to_seed as fn
-    return fn
+def _unpatched_live_tree(model, node: str) -> None:
+    """Make the live module tree hold this model's stored weights and modules (ComfyUI's own unload, where another
+    clone's patches are applied now), so that ComfyUI's weight patching reads the weights this clone patches."""
+    if not (model.backup or model.object_patches_backup):
+        return
+    unloaded = comfy_internals.unload_model_and_clones(model)
+    if isinstance(unloaded, Unavailable) or model.backup or model.object_patches_backup:
+        raise FluxAccelError(f"{node}: another branch of this workflow has its patches applied to the loaded model "
+                             f"({unloaded if isinstance(unloaded, Unavailable) else 'ComfyUI did not unload it'}), so "
+                             f"this branch's LoRA cannot be merged from the stored weights. Free the model (the Unload "
+                             f"Models button) and run again.")
 
 
 def _as_this_clone_runs(model, lin: torch.nn.Linear, name: str, device: torch.device):
-    """The weight and bias this clone would run for `lin`: the unpatched tensors (ComfyUI's shared backup while
-    another clone's weight patches are applied to the live model) plus this clone's own weight patches (LoRA, ...),
-    computed as ComfyUI's loader does. Returns ({param name: tensor}, merged patch keys)."""
-    import comfy.float
-    import comfy.lora
-
-    string_to_seed = _string_to_seed()
-
+    """The weight and bias this clone runs for `lin`: where it has weight patches (LoRA, ...), ComfyUI's own
+    patch_weight_to_device merges them as ComfyUI's loader would (its compute dtype, its rounding, the op's own
+    convert/set functions; _unpatched_live_tree made the live tree the stored one); elsewhere the stored tensor; a
+    checkpoint-quantized weight dequantized to bf16 (torchao per_row needs it). Returns ({param name: tensor},
+    merged patch keys)."""
     merged, params = [], {}
     for p in ("weight", "bias"):
         t = getattr(lin, p, None)
         if t is None:
             continue
         key = f"diffusion_model.{name}.{p}"
-        bk = model.backup.get(key)
-        if bk is not None:
-            t = bk.weight
-        if is_checkpoint_quantized(t):  # scaled-FP8 / mixed-precision checkpoint: ComfyUI's own dequantization,
-            t = t.dequantize().to(torch.bfloat16)  # in bf16 as a bf16 checkpoint's weights (torchao per_row needs it)
         if model.patches.get(key):
-            out = comfy.lora.calculate_weight(model.patches[key], t.to(device, torch.float32, copy=True), key)
-            t = comfy.float.stochastic_rounding(out, t.dtype, seed=string_to_seed(key))
+            t = model.patch_weight_to_device(key, device_to=device, return_weight=True)
             merged.append(key)
+        elif key in model.backup:  # another clone's patch is applied to the live weight: ComfyUI keeps the stored one
+            t = model.backup[key].weight
+        if is_checkpoint_quantized(t):  # scaled-FP8 / mixed-precision checkpoint: ComfyUI's own dequantization,
+            t = t.dequantize().to(torch.bfloat16)  # in bf16 as a bf16 checkpoint's weights
         params[p] = t
     return params, merged
 
@@ -367,10 +362,10 @@ def _fuse_activations(model, clone, dm, cfg: Fp8Config, report: Fp8Report) -> li
     kept."""
     sites, kept = act_fusion.find_sites(dm, lambda name, m: swaps.original(model, f"diffusion_model.{name}", m))
     keys = []
-    for act, option in (("gelu", "fuse_gelu"), ("silu_gate", "fuse_silu_gate")):
+    for act in ("gelu", "silu_gate"):
         mine = [site for site in sites if site.act == act]
         kept_here = {name: why for name, (kind, why) in kept.items() if kind == act}
-        line, fused = _fuse_sites(clone, mine, kept_here, cfg, act, option)
+        line, fused = _fuse_sites(clone, mine, kept_here, cfg, act)
         keys += fused
         if act == "gelu":
             report.gelu = line
@@ -379,12 +374,10 @@ def _fuse_activations(model, clone, dm, cfg: Fp8Config, report: Fp8Report) -> li
     return keys
 
 
-def _fuse_sites(clone, sites, kept: dict[str, str], cfg: Fp8Config, act: str, option: str) -> tuple[str, list[str]]:
+def _fuse_sites(clone, sites, kept: dict[str, str], cfg: Fp8Config, act: str) -> tuple[str, list[str]]:
     """(the report's line, the object-patch keys) for fusing the sites of one activation kind."""
     name = act_fusion.NAMES[act]
-    if not getattr(cfg, option):
-        return f"MLP {name} kept separate ({option} off)", []
-    why = cfg.fusion_unavailable(act)
+    why = cfg.fusion_unavailable(act) if sites else ""
     if why:
         return f"MLP {name} kept separate: {why}", []
     keys = []
@@ -431,9 +424,11 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     require_bf16_weights([m for m in originals.values() if not is_checkpoint_quantized(m.weight)], node)
     compute_dtype = getattr(model.model, "manual_cast_dtype", None)
     sel = select_linears(((n, _as_selected(m)) for n, m in originals.items()), cfg, profile(model))
+    if any(model.patches.get(f"diffusion_model.{n}.{p}") for n in originals for p in ("weight", "bias")):
+        _unpatched_live_tree(model, node)  # ComfyUI's weight patching reads the live tree
 
     clone = model.clone()
-    report = Fp8Report(cfg.granularity, cfg.scope, str(device), skipped=dict(sel.skipped), layout=cfg.layout)
+    report = Fp8Report(cfg.granularity, cfg.scope, str(device), skipped=dict(sel.skipped))
     keys, merged = _quantize_chosen(model, clone, originals, sel.chosen, cfg, device, compute_dtype, report)
     for name in sel.skipped:
         if is_checkpoint_quantized(originals[name].weight):

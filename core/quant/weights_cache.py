@@ -1,12 +1,12 @@
 """FP8 weights kept on disk: after a restart, Quantize FP8 loads its quantized Linears instead of quantizing again.
 
-One safetensors file per (source file, FP8 config, compute dtype, versions): the 'plain' layout's FP8 data and
+One safetensors file per (source file, FP8 config, compute dtype, versions): the FP8 data and
 scales of every quantized Linear, named by the Linear. The key holds the source file's path, size, modification
 time and a hash of its header (a safetensors file's header names every tensor with its offsets), the FP8 config, the
 model's compute dtype and the torch, torchao and FluxAccel versions; the file carries its key in its metadata. A file
 whose key, names or shapes do not match what is asked, or that cannot be read, is ignored with a warning and the
 Linears are quantized as usual (and saved again). Files are written to a temporary name and renamed into place, so
-several ComfyUI workers can share the folder. Not cached: the 'subclass' layout, models with weight patches (LoRA)
+several ComfyUI workers can share the folder. Not cached: models with weight patches (LoRA)
 merged into the quantized Linears, and models that no file identifies (loaded by custom nodes).
 
 Folder: `fp8-weights/` inside FluxAccel's cache folder (kernel_cache.default_dir: ComfyUI's user directory, or
@@ -71,8 +71,6 @@ def entry_for(model, cfg, compute_dtype, patched: list[str]) -> Entry:
     """The cache entry of this model quantized with cfg, or why it has none."""
     if os.environ.get(ENV_OFF, "1") == "0":
         return Entry(None, f"${ENV_OFF}=0")
-    if cfg.layout != "plain":
-        return Entry(None, "the 'subclass' layout is not cached")
     if patched:
         return Entry(None, f"{len(patched)} weight patches (LoRA, ...) are merged into these weights")
     source = comfy_internals.source_file(model)

@@ -168,45 +168,10 @@ def _cache_tag(tag: str):
     return cfg.patch(cache_key_tag=f"{now}|{tag}" if now else tag)
 
 
-def cudagraph_rerecord_limit() -> int | Unavailable:
-    v = _attr("torch._inductor.config.triton.cudagraph_unexpected_rerecord_limit")
-    return v if isinstance(v, Unavailable) else int(v)
-
-
 # -- what a compile did ---------------------------------------------------------------------------------------------
-def _counters():
-    return _attr("torch._dynamo.utils.counters")
-
-
-def cudagraph_skips() -> int | Unavailable:
-    """Inductor's running count of graphs it compiled without CUDA graphs (a fallback, not an error)."""
-    c = _counters()
-    if isinstance(c, Unavailable):
-        return c
-    return int(c["inductor"]["cudagraph_skips"])
-
-
 def compile_timers() -> dict | Unavailable:
     """dynamo's compile timers: name -> list of seconds (each phase's timer is recorded when the phase ends)."""
     return _attr("torch._dynamo.utils.compilation_time_metrics")
-
-
-def graph_recordings(device: torch.device) -> tuple[int, int] | None | Unavailable:
-    """(CUDA graphs recorded, re-recordings counted toward the re-record limit) by inductor's cudagraph-trees manager
-    of this thread and device so far; None where there is no manager yet."""
-    get_manager = _attr("torch._inductor.cudagraph_trees.get_manager")
-    if isinstance(get_manager, Unavailable):
-        return get_manager
-    try:
-        mgr = get_manager(torch.device(device).index or 0, create_if_none_exists=False)
-    except TypeError:
-        return _missing("torch._inductor.cudagraph_trees.get_manager(create_if_none_exists=...)")
-    if mgr is None:
-        return None
-    try:
-        return int(mgr.debug_fail_counter), sum(sum(d.values()) for d in mgr.num_rerecord.values())
-    except (AttributeError, TypeError):
-        return _missing("CUDAGraphTreeManager.debug_fail_counter / num_rerecord")
 
 
 def is_compiled_module(obj) -> bool:

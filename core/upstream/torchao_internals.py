@@ -70,11 +70,3 @@ def float8_primitives() -> SimpleNamespace | Unavailable:
             return value
         found[key] = value
     return SimpleNamespace(**found)
-
-
-def map_float8_data(w, fn):
-    """A Float8Tensor with `fn` applied to its plain components (qdata, scale): how torchao itself moves one."""
-    apply = getattr(w, "_apply_fn_to_data", None)
-    if not callable(apply):
-        raise RuntimeError(str(_missing(f"{type(w).__name__}._apply_fn_to_data")))
-    return apply(fn)

@@ -18,7 +18,7 @@ def test_the_per_module_layout_runs_the_same_modules_with_a_patch_each(cpu_fp8, 
     from fluxaccel_prompt_split import NODE_CLASS_MAPPINGS
 
     inputs = flux_inputs(tiny_flux.model.diffusion_model)
-    grouped = apply_compile(apply_fp8(tiny_flux, Fp8Config())[0], CompileConfig(modulation_table="on"))[0]
+    grouped = apply_compile(apply_fp8(tiny_flux, Fp8Config())[0], CompileConfig(separate_process=False))[0]
     (per_module,) = NODE_CLASS_MAPPINGS["FluxAccelPerModulePatches"]().run(grouped)
     assert dict(swaps.items(per_module)) == dict(swaps.items(grouped))
     assert set(per_module.object_patches) == {k for k, _ in swaps.items(grouped)}

@@ -62,7 +62,7 @@ def test_degradations_reach_the_badge_and_the_description(tiny_flux, cpu_fp8):
     from fluxaccel.nodes.events import compiled_state
 
     fp8, _ = apply_fp8(tiny_flux, Fp8Config(layout="subclass"))
-    model, compiled = apply_compile(fp8, CompileConfig(block_regions=True))
+    model, compiled = apply_compile(fp8, CompileConfig(separate_process=False))
     (d,) = compiled.stats.degradations
     assert d.what == "block_regions" and d.kind == "off" and "layout 'plain'" in d.why
     state = compiled_state(compiled)

@@ -15,7 +15,7 @@ def test_accelerated_first_run_precedes_the_baseline(tiny_flux):
     """A fresh process's first image: the accelerated model's first run (compile and all) comes before the
     baseline has been loaded, so it does not include a switch away from the baseline. Timed runs then alternate."""
     torch._dynamo.reset()
-    accel, _ = apply_compile(tiny_flux, CompileConfig(cuda_graphs=False))
+    accel, _ = apply_compile(tiny_flux, CompileConfig(separate_process=False))
     pos = synthetic_conditioning("tiny", text_len=16)
     said = []
     case = BenchCase(width=128, height=128, steps=1, runs=2)
@@ -54,7 +54,7 @@ def test_denoiser_outputs_go_through_comfyuis_sampling_path(tiny_flux, compiled)
     from fluxaccel.core.bench.benchmark import FIDELITY_SIGMAS, denoiser_outputs
     from fluxaccel.core.compile.patch import compiled_of
 
-    model = apply_compile(tiny_flux, CompileConfig(cuda_graphs=False))[0] if compiled else tiny_flux
+    model = apply_compile(tiny_flux, CompileConfig(separate_process=False))[0] if compiled else tiny_flux
     pos = synthetic_conditioning("tiny", text_len=16)
     neg = synthetic_conditioning("tiny", text_len=16, seed=5)
     case = BenchCase(width=128, height=128, seed=7)

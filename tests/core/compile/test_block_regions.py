@@ -74,8 +74,7 @@ def test_modulation_records_do_not_stop_the_trace_reuse(arch, fresh_dynamo):
     ref = _denoise_once(model, hw=hw)
     stamps = dynamo_utils.compilation_time_metrics.setdefault("invoke_subgraph_reuse_stamp_out", [])
     before = len(stamps)
-    compiled_model, _ = apply_compile(model, CompileConfig(cuda_graphs=False, warm_start=False,
-                                                           persistent_cache=False))
+    compiled_model, _ = apply_compile(model, CompileConfig(persistent_cache=False, separate_process=False))
     out = _denoise_once(compiled_model, hw=hw)
     assert len(dynamo_utils.compilation_time_metrics["invoke_subgraph_reuse_stamp_out"]) - before == 2 + 3
     assert rel_err(out, ref) < 1e-4
@@ -112,10 +111,10 @@ def test_inductor_with_regions_matches_eager(tiny_flux, fresh_dynamo, cpu_fp8, l
 
         model, _ = apply_fp8(tiny_flux, Fp8Config("per_row", layout=layout))
     ref = _denoise_once(model)
-    plain_compiled, _ = apply_compile(model, CompileConfig(persistent_cache=False, block_regions=False))
+    plain_compiled, _ = apply_compile(model, CompileConfig(persistent_cache=False, separate_process=False))
     without = _denoise_once(plain_compiled)
     torch._dynamo.reset()
-    with_regions, compiled = apply_compile(model, CompileConfig(persistent_cache=False, block_regions=True))
+    with_regions, compiled = apply_compile(model, CompileConfig(persistent_cache=False, separate_process=False))
     out = _denoise_once(with_regions)
     assert compiled.stats.calls == 1 and compiled.regions is not None
     # bf16: as the compile test, within ~1 % of eager; and no further from eager than compile without regions
@@ -126,8 +125,7 @@ def test_inductor_with_regions_matches_eager(tiny_flux, fresh_dynamo, cpu_fp8, l
 def test_regions_compile_once_per_shape_and_leave_the_model_alone(fresh_dynamo):
     base = build_flux("tiny", dtype=torch.float32)
     ref = _sample(base, seed=1)
-    model, compiled = apply_compile(base, CompileConfig(resolution_policy="recompile", block_regions=True,
-                                                        persistent_cache=False))
+    model, compiled = apply_compile(base, CompileConfig(resolution_policy="recompile", persistent_cache=False, separate_process=False))
     out = _sample(model, seed=1)
     assert rel_err(out, ref) < 1e-4, rel_err(out, ref)  # float32: only summation order differs
     graphs = fresh_dynamo["stats"]["unique_graphs"]
@@ -152,7 +150,7 @@ def test_config_refuses_regions_without_torch_support(monkeypatch):
 
     monkeypatch.setattr(block_regions, "available", lambda: False)
     with pytest.raises(FluxAccelError, match="nested_compile_region.*Turn block_regions off"):
-        CompileConfig(block_regions=True)
+        CompileConfig(separate_process=False)
 
 
 def test_subclass_fp8_layout_compiles_without_regions(tiny_flux, cpu_fp8, caplog):
@@ -164,7 +162,7 @@ def test_subclass_fp8_layout_compiles_without_regions(tiny_flux, cpu_fp8, caplog
 
     q, _ = apply_fp8(tiny_flux, Fp8Config("per_row", layout="subclass"))
     with caplog.at_level("WARNING", logger="fluxaccel.compile"):
-        model, compiled = apply_compile(q, CompileConfig(block_regions=True, persistent_cache=False))
+        model, compiled = apply_compile(q, CompileConfig(persistent_cache=False, separate_process=False))
     assert "cannot be used in torch's nested compile regions" in caplog.text and "layout 'plain'" in caplog.text
     assert compiled.regions is None and not compiled.cfg.block_regions
     assert label(model) == "fp8-per_row+compile"
@@ -177,7 +175,7 @@ def test_reference_latents_with_per_token_modulation_are_refused(tiny_flux):
     the regions' replacement would not pass that on, so the compiled call refuses instead of computing without it."""
     from fluxaccel.core.errors import FluxAccelError
 
-    _, compiled = apply_compile(tiny_flux, CompileConfig(block_regions=True))
+    _, compiled = apply_compile(tiny_flux, CompileConfig(separate_process=False))
     x, t, ctx, y, guidance = flux_inputs(tiny_flux.model.diffusion_model)
     with pytest.raises(FluxAccelError, match="block_regions.*index_timestep_zero.*Turn block_regions off"):
         compiled(x, t, context=ctx, y=y, guidance=guidance, ref_latents=[x], ref_latents_method="index_timestep_zero")

@@ -183,7 +183,7 @@ def test_compiled_flux_blocks_compiled_on_their_own_and_calls_captured(fresh_dyn
 
     model = build_flux(dtype=torch.float32)
     # compiled in this process (the C++ wrapper patched in below; test_separate.py has the separate process)
-    cfg = CompileConfig(graph_capture="call", separate_process=False)
+    cfg = CompileConfig(separate_process=False)
     gpu = cfg.inductor_options(torch.device("cuda"))
     assert not cfg.nested_regions and gpu["cpp_wrapper"] is True and gpu["triton.cudagraphs"] is False
     assert gpu["cpp.vec_isa_ok"] is False  # the GPU wrapper's CPU ISA is not checked (config.py)
@@ -231,18 +231,18 @@ def test_graph_capture_call_or_graphs_off_said(monkeypatch):
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(patch, "cuda_graph_blockers", lambda device: ["cudaMallocAsync here"])
-    cfg, off = patch._graphs_under(CompileConfig(graph_capture="call"), cuda, "node")
+    cfg, off = patch._graphs_under(CompileConfig(separate_process=False), cuda, "node")
     assert cfg.captured and not off
     assert "each model call captured whole" in cfg.summary() and "each kind of block, compiled" in cfg.summary()
-    cfg, off = patch._graphs_under(CompileConfig(graph_capture="inductor"), cuda, "node")
+    cfg, off = patch._graphs_under(CompileConfig(separate_process=False), cuda, "node")
     assert not cfg.cuda_graphs and "cudaMallocAsync here" in off and "graph_capture to 'call'" in off
     monkeypatch.setattr(torch_internals, "cpp_compiler", lambda: "")
-    cfg, off = patch._graphs_under(CompileConfig(graph_capture="call"), cuda, "node")
+    cfg, off = patch._graphs_under(CompileConfig(separate_process=False), cuda, "node")
     assert not cfg.cuda_graphs and "graph_capture 'call' cannot run here" in off and "no C++ compiler" in off
     monkeypatch.setattr(patch, "cuda_graph_blockers", lambda device: [])
-    inductor = CompileConfig(graph_capture="inductor")
+    inductor = CompileConfig(separate_process=False)
     assert patch._graphs_under(inductor, cuda, "node") == (inductor, "")
-    assert patch._graphs_under(CompileConfig(graph_capture="call"), torch.device("cpu"), "node")[1] == ""
+    assert patch._graphs_under(CompileConfig(separate_process=False), torch.device("cpu"), "node")[1] == ""
 
 
 def test_graph_capture_auto_is_call_where_it_can_run(monkeypatch):
@@ -254,22 +254,22 @@ def test_graph_capture_auto_is_call_where_it_can_run(monkeypatch):
     from fluxaccel.core.upstream import torch_internals
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert CompileConfig().graph_capture == "auto" and not CompileConfig().captured
+    assert CompileConfig(separate_process=False).graph_capture == "auto" and not CompileConfig(separate_process=False).captured
     monkeypatch.setattr(torch_internals, "cpp_compiler", lambda: "/usr/bin/g++")
     monkeypatch.setattr(patch, "cuda_graph_blockers", lambda device: ["cudaMallocAsync here"])
-    cfg, off = patch._graphs_under(CompileConfig(), cuda, "node")
+    cfg, off = patch._graphs_under(CompileConfig(separate_process=False), cuda, "node")
     assert cfg.graph_capture == "call" and cfg.captured and off == ""
-    assert patch.resolve_capture(CompileConfig(), cpu) == (CompileConfig(graph_capture="inductor"), "")
-    assert patch.resolve_capture(CompileConfig(cuda_graphs=False), cuda)[0].graph_capture == "inductor"
-    assert patch.resolve_capture(CompileConfig(block_regions=False), cuda)[0].graph_capture == "inductor"
-    assert patch.resolve_capture(CompileConfig(graph_capture="inductor"), cuda)[0].graph_capture == "inductor"
+    assert patch.resolve_capture(CompileConfig(separate_process=False), cpu) == (CompileConfig(separate_process=False), "")
+    assert patch.resolve_capture(CompileConfig(separate_process=False), cuda)[0].graph_capture == "inductor"
+    assert patch.resolve_capture(CompileConfig(separate_process=False), cuda)[0].graph_capture == "inductor"
+    assert patch.resolve_capture(CompileConfig(separate_process=False), cuda)[0].graph_capture == "inductor"
     monkeypatch.setattr(torch_internals, "cpp_compiler", lambda: "")
-    cfg, why = patch.resolve_capture(CompileConfig(), cuda)
+    cfg, why = patch.resolve_capture(CompileConfig(separate_process=False), cuda)
     assert cfg.graph_capture == "inductor" and "graph_capture 'call' cannot run here" in why and "C++ compiler" in why
-    cfg, off = patch._graphs_under(CompileConfig(), cuda, "node")
+    cfg, off = patch._graphs_under(CompileConfig(separate_process=False), cuda, "node")
     assert not cfg.cuda_graphs and "cudaMallocAsync here" in off and "graph_capture 'call' cannot run here" in off
     monkeypatch.setattr(patch, "cuda_graph_blockers", lambda device: [])
-    assert patch._graphs_under(CompileConfig(), cuda, "node") == (CompileConfig(graph_capture="inductor"), "")
+    assert patch._graphs_under(CompileConfig(separate_process=False), cuda, "node") == (CompileConfig(separate_process=False), "")
 
 
 @pytest.mark.parametrize("arch", ["flux2", "chroma"])
@@ -286,8 +286,7 @@ def test_call_mode_compiles_flux2_and_chroma_blocks_on_their_own(arch, fresh_dyn
     model = build_flux({**shape, "depth": 2, "depth_single_blocks": 3}, dtype=torch.float32)
     hw = 8 if arch == "flux2" else 16
     ref = denoise_once(model, hw=hw)
-    compiled_model, compiled = apply_compile(model, CompileConfig(graph_capture="call", persistent_cache=False,
-                                                                  warm_start=False, separate_process=False))
+    compiled_model, compiled = apply_compile(model, CompileConfig(persistent_cache=False, separate_process=False))
     assert compiled.cfg.captured and compiled.runner.compiled is compiled.runner.dm
     assert rel_err(denoise_once(compiled_model, hw=hw), ref) < 1e-4
     assert fresh_dynamo["stats"]["unique_graphs"] == 2  # one per block kind
@@ -298,12 +297,12 @@ def test_config_refuses_what_call_capture_cannot_do():
     from fluxaccel.core.errors import FluxAccelError
 
     with pytest.raises(FluxAccelError, match="graph_capture must be one of"):
-        CompileConfig(graph_capture="trees")
+        CompileConfig(separate_process=False)
     with pytest.raises(FluxAccelError, match="graph_capture 'call' compiles each kind.*turn block_regions on"):
-        CompileConfig(graph_capture="call", block_regions=False)
-    assert CompileConfig(graph_capture="call", block_regions=False, cuda_graphs=False).nested_regions is False
-    assert CompileConfig(graph_capture="call", cuda_graphs=False).nested_regions is True
-    assert dataclasses.replace(CompileConfig(), graph_capture="call").captured
+        CompileConfig(separate_process=False)
+    assert CompileConfig(separate_process=False).nested_regions is False
+    assert CompileConfig(separate_process=False).nested_regions is True
+    assert dataclasses.replace(CompileConfig(separate_process=False), graph_capture="call").captured
 
 
 def test_call_mode_through_apply_compile_and_warmup(tiny_flux, fresh_dynamo):
@@ -321,7 +320,7 @@ def test_call_mode_through_apply_compile_and_warmup(tiny_flux, fresh_dynamo):
     from support.runs import denoise_once
 
     ref = denoise_once(tiny_flux, hw=16)
-    clone, compiled = apply_compile(tiny_flux, CompileConfig(graph_capture="call"))
+    clone, compiled = apply_compile(tiny_flux, CompileConfig(separate_process=False))
     assert compiled.runner.compiled is compiled._dm and compiled.runner.call_graphs is None  # CPU: nothing to capture
     assert rel_err(denoise_once(clone, hw=16), ref) < 2e-2
     assert fresh_dynamo["stats"]["unique_graphs"] == 2

@@ -112,10 +112,10 @@ def test_compiled_regions_hand_each_block_its_bound(tiny_flux, fa3, monkeypatch)
     monkeypatch.setattr(fa, "why_not", lambda device: None)  # the CPU stand-in runs where the kernel cannot
     dm = tiny_flux.model.diffusion_model
     bounds = {tuple(fa.qk_scales(b).tolist()) for b in (*dm.double_blocks, *dm.single_blocks)}
-    ref_model, _ = apply_compile(tiny_flux, CompileConfig(persistent_cache=False))
+    ref_model, _ = apply_compile(tiny_flux, CompileConfig(persistent_cache=False, separate_process=False))
     ref = denoise_once(ref_model)
     dynamo_utils.counters.clear()
-    model, compiled = apply_compile(tiny_flux, CompileConfig(persistent_cache=False, attention="fp8"))
+    model, compiled = apply_compile(tiny_flux, CompileConfig(persistent_cache=False, attention="fp8", separate_process=False))
     out = denoise_once(model)
     denoise_once(model)
     assert len(fa3) == 2 * (len(dm.double_blocks) + len(dm.single_blocks))
@@ -148,7 +148,7 @@ def test_a_block_whose_qk_norm_weight_cannot_be_read_takes_each_calls_absmax_and
     monkeypatch.setattr(odd, "query_norm", Renamed(odd.query_norm))
     assert "RMSNorm.weight / RMSNorm.scale" in fa.why_no_qk_bound(dm.single_blocks[1])
     bounds = {round(float(fa.qk_scales(b)[0]), 6) for b in (*dm.double_blocks, dm.single_blocks[0])}
-    model, compiled = apply_compile(tiny_flux, CompileConfig(persistent_cache=False, attention="fp8"))
+    model, compiled = apply_compile(tiny_flux, CompileConfig(persistent_cache=False, attention="fp8", separate_process=False))
     denoise_once(model)
     q_scales = [round(float(c["q_descale"][0, 0]), 6) for c in fa3]
     assert len(q_scales) == 2 + 2 and set(q_scales[:3]) <= bounds and q_scales[3] not in bounds, (q_scales, bounds)
@@ -160,8 +160,7 @@ def test_a_block_whose_qk_norm_weight_cannot_be_read_takes_each_calls_absmax_and
 
 def test_without_block_regions_qk_scales_are_per_call(tiny_flux, fa3, monkeypatch):
     monkeypatch.setattr(fa, "why_not", lambda device: None)
-    model, compiled = apply_compile(tiny_flux, CompileConfig(persistent_cache=False, attention="fp8",
-                                                             block_regions=False))
+    model, compiled = apply_compile(tiny_flux, CompileConfig(persistent_cache=False, attention="fp8", separate_process=False))
     denoise_once(model)
     dm = tiny_flux.model.diffusion_model
     bounds = {round(float(fa.qk_scales(b)[0]), 6) for b in (*dm.double_blocks, *dm.single_blocks)}
@@ -171,7 +170,7 @@ def test_without_block_regions_qk_scales_are_per_call(tiny_flux, fa3, monkeypatc
 
 def test_refused_where_it_cannot_run(tiny_flux):
     with pytest.raises(FluxAccelError, match=r"attention 'fp8' cannot run here: .*cpu.*Set attention to 'cudnn'"):
-        apply_compile(tiny_flux, CompileConfig(attention="fp8"))
+        apply_compile(tiny_flux, CompileConfig(attention="fp8", separate_process=False))
     assert "Hopper" in fa.why_not(torch.device("cpu"))
 
 
@@ -193,4 +192,4 @@ def test_another_nodes_attention_override_is_refused_with_fp8_attention():
 
 def test_config_names_the_setting():
     with pytest.raises(FluxAccelError, match="attention must be one of"):
-        CompileConfig(attention="sage")
+        CompileConfig(attention="sage", separate_process=False)

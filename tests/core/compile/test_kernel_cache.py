@@ -16,7 +16,7 @@ from support.runs import NEW_PROCESS_PRELUDE
 
 SCRIPT = NEW_PROCESS_PRELUDE + textwrap.dedent(r"""
     with torch.inference_mode():
-        c = CompiledFlux(dm, CompileConfig(warm_start=False), torch.device("cpu"))
+        c = CompiledFlux(dm, CompileConfig(separate_process=False), torch.device("cpu"))
         out = c(x, t, context=ctx, y=y, guidance=gd)
         ref = dm(x, t, context=ctx, y=y, guidance=gd)
     from fluxaccel.core.bench.metrics import rel_err
@@ -98,9 +98,9 @@ def test_fp8_variants_of_one_model_get_their_own_cache_files(cpu_fp8, tiny_flux)
     models = {"bf16": tiny_flux}
     for gran in ("per_tensor", "per_row"):
         models[gran], _ = apply_fp8(tiny_flux, Fp8Config(gran))
-    paths = {name: apply_compile(m, CompileConfig(cuda_graphs=False))[1].cache.path for name, m in models.items()}
+    paths = {name: apply_compile(m, CompileConfig(separate_process=False))[1].cache.path for name, m in models.items()}
     assert len(set(paths.values())) == 3, paths
-    again = apply_compile(models["per_row"], CompileConfig(cuda_graphs=False))[1].cache.path
+    again = apply_compile(models["per_row"], CompileConfig(separate_process=False))[1].cache.path
     assert again == paths["per_row"]
 
 
@@ -127,7 +127,7 @@ def test_each_file_holds_only_its_own_models_artifacts(cpu_fp8, tiny_flux, tmp_p
     fp8, _ = apply_fp8(tiny_flux, Fp8Config("per_tensor"))
     files = []
     for m in (tiny_flux, fp8):
-        clone, c = apply_compile(m, CompileConfig(cuda_graphs=False, block_regions=False))
+        clone, c = apply_compile(m, CompileConfig(separate_process=False))
         denoise_once(clone)
         files.append(c.cache.path)
     first, second = (_artifact_keys(f) for f in files)
@@ -142,7 +142,7 @@ def test_cache_key_does_not_depend_on_which_clone_is_loaded(cpu_fp8, tiny_flux):
     from fluxaccel.core.quant.fp8 import Fp8Config
     from fluxaccel.core.quant.patch import apply_fp8
 
-    cfg = CompileConfig(cuda_graphs=False)
+    cfg = CompileConfig(separate_process=False)
     fp8, _ = apply_fp8(tiny_flux, Fp8Config("per_row"))
     plain_key, fp8_key = (apply_compile(m, cfg)[1].cache.key for m in (tiny_flux, fp8))
     fp8.patch_model()  # another branch's FP8 clone is what the shared module holds now
@@ -162,7 +162,7 @@ def test_a_restart_that_meets_fewer_shapes_keeps_the_others(tiny_flux, tmp_path,
 
     monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path))
     dm = tiny_flux.model.diffusion_model
-    cfg = CompileConfig(cuda_graphs=False, warm_start=False, resolution_policy="recompile", block_regions=False)
+    cfg = CompileConfig(resolution_policy="recompile", separate_process=False)
 
     def run(c, hw):
         x, t, ctx, y, guidance = flux_inputs(dm, hw=hw)
@@ -188,7 +188,7 @@ def test_cache_key_names_the_persistent_reduction_limits(tiny_flux, monkeypatch)
     from fluxaccel.core.compile.config import CompileConfig
     from fluxaccel.core.compile.patch import apply_compile
 
-    cfg = CompileConfig(cuda_graphs=False)
+    cfg = CompileConfig(separate_process=False)
     before = apply_compile(tiny_flux, cfg)[1].cache.key
     monkeypatch.setattr(reductions, "KEY", "persistent=2048/1024")
     assert apply_compile(tiny_flux, cfg)[1].cache.key != before

@@ -101,29 +101,29 @@ def test_the_source_it_reads_is_known_and_another_is_named(tiny_flux, monkeypatc
     monkeypatch.setattr(mod_table, "KNOWN_MODULATION", {})
     with pytest.raises(FluxAccelError, match=r"modulation_table cannot run on this model: comfy\.ldm\.flux\.layers\."
                                              r"Modulation\.forward is not a modulation forward.*Set modulation_table to 'auto' or"):
-        apply_compile(tiny_flux, CompileConfig(modulation_table="on"))
+        apply_compile(tiny_flux, CompileConfig(separate_process=False))
 
 
 @needs_read
 def test_on_is_refused_and_auto_is_off_and_says_why_with_fp8_modulation_weights_or_a_lora(tiny_flux, cpu_fp8):
-    fp8 = apply_fp8(tiny_flux, Fp8Config(scope="blocks+modulation", layout="plain"))[0]
+    fp8 = apply_fp8(tiny_flux, Fp8Config(scope="blocks+modulation"))[0]
     with pytest.raises(FluxAccelError, match=r"quantized its modulation weights.*scope 'blocks' keeps them"):
-        apply_compile(fp8, CompileConfig(modulation_table="on"))
-    model, compiled = apply_compile(fp8, CompileConfig())  # "auto": off, said in the node's text and the stats
+        apply_compile(fp8, CompileConfig(separate_process=False))
+    model, compiled = apply_compile(fp8, CompileConfig(separate_process=False))  # "auto": off, said in the node's text and the stats
     assert compiled.runner.mod_table is None and compiled.cfg.modulation_table == "off"
     assert any(d.what == "modulation_table" and "scope 'blocks'" in d.why for d in compiled.stats.degradations)
     assert not any(isinstance(v, mod_table.TableModulation) for _, v in swaps.items(model))
-    blocks = apply_fp8(tiny_flux, Fp8Config(scope="blocks", layout="plain"))[0]
-    compiled = apply_compile(blocks, CompileConfig())[1]  # "auto" where it can run: on
+    blocks = apply_fp8(tiny_flux, Fp8Config(scope="blocks"))[0]
+    compiled = apply_compile(blocks, CompileConfig(separate_process=False))[1]  # "auto" where it can run: on
     assert compiled.runner.mod_table is not None and compiled.cfg.modulation_table == "on"
     assert not compiled.stats.degradations
     lora = tiny_flux.clone()
     key = "diffusion_model.double_blocks.0.img_mod.lin.weight"
     lora.add_patches({key: (torch.zeros_like(tiny_flux.model.diffusion_model.double_blocks[0].img_mod.lin.weight),)})
     with pytest.raises(FluxAccelError, match=r"weight patches \(a LoRA\).*double_blocks\.0\.img_mod\.lin\.weight"):
-        apply_compile(lora, CompileConfig(modulation_table="on"))
-    assert apply_compile(lora, CompileConfig())[1].runner.mod_table is None
-    assert apply_compile(tiny_flux, CompileConfig(modulation_table="off"))[1].runner.mod_table is None
+        apply_compile(lora, CompileConfig(separate_process=False))
+    assert apply_compile(lora, CompileConfig(separate_process=False))[1].runner.mod_table is None
+    assert apply_compile(tiny_flux, CompileConfig(separate_process=False))[1].runner.mod_table is None
 
 
 @needs_read
@@ -134,7 +134,7 @@ def test_sampling_runs_look_up_every_euler_call_and_equal_the_uncompiled_model()
     clear_compile_counters()
     torch._dynamo.reset()
     base = build_flux("tiny", dtype=torch.float32)
-    model, compiled = apply_compile(base, CompileConfig(resolution_policy="recompile", modulation_table="on"))
+    model, compiled = apply_compile(base, CompileConfig(resolution_policy="recompile", separate_process=False))
     table = compiled.runner.mod_table
     assert isinstance(swaps.get(model, "diffusion_model.single_blocks.1.modulation"), mod_table.TableModulation)
     assert not any(isinstance(v, mod_table.TableModulation) for _, v in swaps.items(base))
@@ -161,7 +161,7 @@ def test_sampling_runs_look_up_every_euler_call_and_equal_the_uncompiled_model()
 def test_a_table_shorter_than_the_run_says_so_and_computes_the_rest(monkeypatch):
     monkeypatch.setattr(mod_table, "CAPACITY", 2)
     base = build_flux("tiny", dtype=torch.float32)
-    model, compiled = apply_compile(base, CompileConfig(modulation_table="on"))
+    model, compiled = apply_compile(base, CompileConfig(separate_process=False))
     assert rel_err(_sample(model, seed=1, steps=3), _sample(base, seed=1, steps=3)) < 1e-4
     counts = compiled.runner.mod_table.counts()
     assert counts["rows_from_table"] == 2 and counts["rows_computed"] == 1
@@ -178,7 +178,7 @@ def test_the_model_with_its_table_rebuilds_in_another_process_from_its_skeleton(
     sigma-to-timestep function (ComfyUI's model_sampling, a class made inside a function) is left out."""
     from fluxaccel.core.compile import skeleton
 
-    model, compiled = apply_compile(tiny_flux, CompileConfig(modulation_table="on"))
+    model, compiled = apply_compile(tiny_flux, CompileConfig(separate_process=False))
     model.patch_model()
     try:
         blob, _ = skeleton.dumps(model.model.diffusion_model)
@@ -198,8 +198,8 @@ def test_bf16_the_table_computes_each_input_in_the_dtype_the_call_gets_it_in():
     so the table embeds it in that dtype too. Sampling with the table equals sampling without it, both compiled, to
     the table GEMM's rounding."""
     base = build_flux("tiny")
-    with_table = apply_compile(base, CompileConfig(modulation_table="on"))
-    without = apply_compile(base, CompileConfig())[0]
+    with_table = apply_compile(base, CompileConfig(separate_process=False))
+    without = apply_compile(base, CompileConfig(separate_process=False))[0]
     out, ref = _sample(with_table[0], seed=1, steps=2), _sample(without, seed=1, steps=2)
     assert with_table[1].runner.mod_table.counts()["rows_from_table"] == 2
     assert rel_err(out, ref) < 1e-2, rel_err(out, ref)  # 0.0034 here; 0.23 with the guidance embedded in float32
@@ -228,7 +228,7 @@ def test_the_build_is_one_graph_captured_again_where_the_weights_moved_and_a_fai
     replayed by the next run's with that run's rows, captured again once ComfyUI has moved a modulation's or a vector
     MLP's weight; a capture that fails is said and the build runs op by op. Every run equals the uncompiled model's."""
     base = build_flux("tiny", dtype=torch.float32)
-    model, compiled = apply_compile(base, CompileConfig(resolution_policy="recompile", modulation_table="on"))
+    model, compiled = apply_compile(base, CompileConfig(resolution_policy="recompile", separate_process=False))
     table, _Replay.replays = compiled.runner.mod_table, 0
     table.builder = mod_table.BuildGraph(_stand_in_capture)
     ref, other = _sample(base, seed=1, steps=3), _sample(base, seed=1, steps=4)
@@ -262,7 +262,7 @@ def test_weights_patched_at_every_call_run_as_comfyuis_linear_and_are_not_looked
     LoRA after the Compile node): the table, which reads weights as stored, is then not used, said once; that
     modulation runs as ComfyUI's Linear, with the patch."""
     base = build_flux("tiny", dtype=torch.float32)
-    model, compiled = apply_compile(base, CompileConfig(modulation_table="on"))
+    model, compiled = apply_compile(base, CompileConfig(separate_process=False))
     _sample(model, seed=1, steps=2)  # loaded, as a run finds it
     table, dm = compiled.runner.mod_table, base.model.diffusion_model
     m = table.modules[3]
@@ -288,12 +288,12 @@ def test_compiled_again_or_while_another_clones_table_is_loaded_and_removed_with
     ComfyUI's modulations."""
     from fluxaccel.core.compile.patch import remove_compile
 
-    first, c1 = apply_compile(tiny_flux, CompileConfig())
+    first, c1 = apply_compile(tiny_flux, CompileConfig(separate_process=False))
     first.patch_model()  # the first clone's TableModulations are in the live tree now
     try:
         assert isinstance(tiny_flux.model.diffusion_model.double_blocks[0].img_mod, mod_table.TableModulation)
-        other, c2 = apply_compile(tiny_flux, CompileConfig())
-        again, c3 = apply_compile(first, CompileConfig())
+        other, c2 = apply_compile(tiny_flux, CompileConfig(separate_process=False))
+        again, c3 = apply_compile(first, CompileConfig(separate_process=False))
     finally:
         first.unpatch_model()
     for m, c in ((other, c2), (again, c3)):
@@ -320,7 +320,7 @@ def test_weights_stored_in_another_dtype_than_the_compute_dtype():
     bm.diffusion_model.to(dtype=torch.bfloat16)
     synthetic.init_random_(bm.diffusion_model, 0)
     base = comfy.model_patcher.ModelPatcher(bm, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
-    model, compiled = apply_compile(base, CompileConfig())
+    model, compiled = apply_compile(base, CompileConfig(separate_process=False))
     assert compiled.runner.mod_table.modules[0].values.dtype == torch.float32
     out, ref = _sample(model, seed=1, steps=2), _sample(base, seed=1, steps=2)
     assert compiled.runner.mod_table.counts()["rows_from_table"] == 2

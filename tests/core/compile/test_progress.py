@@ -33,7 +33,7 @@ def test_a_real_compile_reports_its_phases_until_ready(tiny_flux):
     """Reports every second from a watcher thread while the sampler's thread compiles; a report that raises (an editor
     that went away) stops neither the reports nor the compile."""
     dm = tiny_flux.model.diffusion_model
-    c = CompiledFlux(dm, CompileConfig(cuda_graphs=False, persistent_cache=False), torch.device("cpu"))
+    c = CompiledFlux(dm, CompileConfig(persistent_cache=False, separate_process=False), torch.device("cpu"))
     seen = []
 
     def report(text, seconds):

@@ -19,7 +19,7 @@ from support.runs import denoise_once
 
 @pytest.fixture
 def fp8_model(cpu_fp8, tiny_flux):
-    q, _ = apply_fp8(tiny_flux, Fp8Config("per_row", layout="plain"))
+    q, _ = apply_fp8(tiny_flux, Fp8Config("per_row"))
     return q
 
 
@@ -71,7 +71,7 @@ def test_graph_capture_call_compiles_its_blocks_in_a_separate_process(fp8_model,
     caplog.set_level(logging.INFO, logger="fluxaccel")
     monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path / "cache"))
     clear_compile_counters()
-    cfg = CompileConfig(graph_capture="call", separate_process=True)
+    cfg = CompileConfig(separate_process=True)
     model, compiled = apply_compile(fp8_model, cfg)
     assert compiled.separate is not None and not compiled.stats.degradations
     first = denoise_once(model)
@@ -86,7 +86,7 @@ def test_graph_capture_call_compiles_its_blocks_in_a_separate_process(fp8_model,
     assert len(store.signatures()) == 2 and store.blocks_on_disk(index.name[len(store.key) + 1:-len(".blocks")])
     # the same as the blocks compiled in this process (its own cache folder)
     monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path / "in-process"))
-    here, c2 = apply_compile(fp8_model, CompileConfig(graph_capture="call", separate_process=False))
+    here, c2 = apply_compile(fp8_model, CompileConfig(separate_process=False))
     assert torch.equal(second, denoise_once(here)) and list(c2.stats.warm_start.values()) == ["saved"]
     # a restart: the index is found, no process starts, the packages load in the first call
     monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path / "cache"))
@@ -175,12 +175,12 @@ def test_the_compile_process_checks_fp8_attention_itself(monkeypatch):
     from fluxaccel.core.compile import fp8_attention
     from fluxaccel.core.upstream import fa3_internals
 
-    assert separate.why_not_here(CompileConfig(), torch.device("cpu")) == ""
-    why = separate.why_not_here(CompileConfig(attention="fp8"), torch.device("cpu"))
+    assert separate.why_not_here(CompileConfig(separate_process=False), torch.device("cpu")) == ""
+    why = separate.why_not_here(CompileConfig(attention="fp8", separate_process=False), torch.device("cpu"))
     assert why.startswith("attention 'fp8' cannot run in the compile process: it runs on NVIDIA Hopper GPUs only")
     registered = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(fa3_internals, "available", lambda: registered.append(1) or True)
-    assert separate.why_not_here(CompileConfig(attention="fp8"), torch.device("cuda")) == "" and registered == [1]
+    assert separate.why_not_here(CompileConfig(attention="fp8", separate_process=False), torch.device("cuda")) == "" and registered == [1]
     assert fp8_attention.why_not(torch.device("cuda")) is None
 

@@ -185,11 +185,11 @@ def test_the_compile_node_compiles_it_once_within_tolerance(cpu_fp8, tiny_flux, 
     """Inductor through apply_compile: one compile for two calls, FluxAccel's forward traced in, the output as
     ComfyUI's forward compiled gives it (same numbers, one concatenation fewer)."""
     fused, _ = apply_fp8(tiny_flux, Fp8Config("per_row"))
-    ref_model, _ = apply_compile(fused, CompileConfig(persistent_cache=False, single_blocks="comfyui"))
+    ref_model, _ = apply_compile(fused, CompileConfig(persistent_cache=False, separate_process=False))
     ref = denoise_once(ref_model)
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
-    model, compiled = apply_compile(fused, CompileConfig(persistent_cache=False))
+    model, compiled = apply_compile(fused, CompileConfig(persistent_cache=False, separate_process=False))
     pair_traced.clear()
     out, again = denoise_once(model), denoise_once(model)
     assert pair_traced, "FluxAccel's forward was not traced"
@@ -202,19 +202,19 @@ def test_the_compile_node_compiles_it_once_within_tolerance(cpu_fp8, tiny_flux, 
 def test_the_compile_node_says_when_the_forward_is_not_known(cpu_fp8, tiny_flux, monkeypatch):
     monkeypatch.setattr(single_block, "KNOWN", {"0" * 64: "ComfyUI 0.0"})
     fused, _ = apply_fp8(tiny_flux, Fp8Config("per_row"))
-    _, compiled = apply_compile(fused, CompileConfig(persistent_cache=False))
+    _, compiled = apply_compile(fused, CompileConfig(persistent_cache=False, separate_process=False))
     assert [d.line().split(" (since")[0] for d in compiled.stats.degradations] == [
         "single_blocks fluxaccel off: comfy.ldm.flux.layers.SingleStreamBlock.forward is not a single-block forward "
         "FluxAccel has read (read: ComfyUI 0.0); ComfyUI's forward runs (linear2's concatenated input is written "
         "first)"]
-    for model, cfg in ((fused, CompileConfig(persistent_cache=False, single_blocks="comfyui")),
-                       (tiny_flux, CompileConfig(persistent_cache=False))):  # asked for nothing / nothing to use it
+    for model, cfg in ((fused, CompileConfig(persistent_cache=False, separate_process=False)),
+                       (tiny_flux, CompileConfig(persistent_cache=False, separate_process=False))):  # asked for nothing / nothing to use it
         assert apply_compile(model, cfg)[1].stats.degradations == []
 
 
 def test_the_compile_cache_keeps_the_two_forwards_apart(tiny_flux):
     dm = tiny_flux.model.diffusion_model
-    keys = {f: cache_key(dm, CompileConfig(single_blocks=f), torch.device("cpu")) for f in ("fluxaccel", "comfyui")}
+    keys = {f: cache_key(dm, CompileConfig(separate_process=False), torch.device("cpu")) for f in ("fluxaccel", "comfyui")}
     assert keys["fluxaccel"] != keys["comfyui"]
     assert single_block.cache_tag(dm, "fluxaccel") == \
         f"single_blocks=fluxaccel:{single_block.source_hash(type(dm.single_blocks[0]))[:16]}"
@@ -224,7 +224,7 @@ def test_config_refuses_another_forward_by_name():
     from fluxaccel.core.errors import FluxAccelError
 
     with pytest.raises(FluxAccelError, match=r"single_blocks must be one of \('fluxaccel', 'comfyui'\), got 'mine'"):
-        CompileConfig(single_blocks="mine")
+        CompileConfig(separate_process=False)
 
 
 def test_linear2_refuses_a_pair_split_elsewhere(cpu_fp8, tiny_flux):

@@ -16,7 +16,7 @@ def _layout(m: torch.nn.Module) -> list:
 
 
 def test_the_live_fp8_model_round_trips_by_layout(cpu_fp8, tiny_flux):
-    q, _ = apply_fp8(tiny_flux, Fp8Config("per_row", layout="plain"))
+    q, _ = apply_fp8(tiny_flux, Fp8Config("per_row"))
     q.patch_model()  # the live module tree holds the FP8 Linears, as the compiled call sees it
     try:
         dm = q.model.diffusion_model

@@ -83,6 +83,6 @@ def test_pinned_memory_refused_runs_comfyuis_copy_and_says_so_once(tiny_flux, ca
 def test_compile_config_says_it(stage):
     from fluxaccel.core.compile.config import CompileConfig
 
-    text = CompileConfig(stage_inputs=stage).summary()
+    text = CompileConfig(separate_process=False).summary()
     assert ("copied to the GPU without waiting for it" in text) is stage
     assert ("the host waits for the GPU at every call" in text) is not stage

@@ -17,7 +17,7 @@ from support.runs import NEW_PROCESS_PRELUDE
 SCRIPT = NEW_PROCESS_PRELUDE + textwrap.dedent(r"""
     from fluxaccel.core.compile import warm_start
     with torch.inference_mode():
-        c = CompiledFlux(dm, CompileConfig(), torch.device("cpu"))
+        c = CompiledFlux(dm, CompileConfig(separate_process=False), torch.device("cpu"))
         pending = dict(c.runner.packages.pending)
         c.runner.packages.settle()  # a package on disk is loaded in the background, before the first call
         loaded_before_call = [sum(f.result() is not None for f in pending.values()), warm_start.counts["loaded"]]
@@ -141,7 +141,7 @@ def test_background_load_sets_the_wrappers_cpu_isa_for_its_own_duration(tmp_path
     from fluxaccel.core.compile.config import CompileConfig
     from fluxaccel.core.compile.warm_start import Packages
 
-    options = CompileConfig(graph_capture="call").inductor_options(torch.device("cuda"))
+    options = CompileConfig(separate_process=False).inductor_options(torch.device("cuda"))
     assert options["cpp_wrapper"] is True and options["cpp.vec_isa_ok"] is False
     seen = []
     monkeypatch.setattr(torch.compiler, "load_compiled_function",

@@ -27,7 +27,7 @@ def test_warmup_then_real_runs_compile_nothing(tiny_flux):
 
     clear_compile_counters()
     torch._dynamo.reset()
-    upstream, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict"))
+    upstream, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict", separate_process=False))
     ticks = []
     model, secs = warmup(upstream, [(128, 128), (128, 192)], text_length=16, cfg=1.0, steps=2,
                          on_step=lambda: ticks.append(1))
@@ -51,7 +51,7 @@ def test_warmup_then_real_runs_compile_nothing(tiny_flux):
 
 
 def test_warmup_respects_max_shapes_and_a_failed_one_leaves_the_input_as_it_was(tiny_flux):
-    model, compiled = apply_compile(tiny_flux, CompileConfig(max_shapes=1))
+    model, compiled = apply_compile(tiny_flux, CompileConfig(max_shapes=1, separate_process=False))
     with pytest.raises(FluxAccelError, match="more shapes than the Compile node's max_shapes \\(1\\)"):
         warmup(model, [(128, 128), (192, 128)], text_length=16, steps=1)
     assert compiled.stats.shapes == [] and compiled.stats.calls == 0
@@ -64,7 +64,7 @@ def test_a_sibling_branch_of_the_compile_output_keeps_its_strict_policy(tiny_flu
 
     clear_compile_counters()
     torch._dynamo.reset()
-    upstream, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict"))
+    upstream, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict", separate_process=False))
     warmup(upstream, [(128, 128), (128, 192)], text_length=16, steps=1)
     graphs = compiled_graphs()
     pos = synthetic_conditioning("tiny", text_len=16, seed=42)
@@ -91,7 +91,7 @@ def test_reference_sizes_are_warmed_refused_under_strict_and_counted_under_recom
 
     clear_compile_counters()
     torch._dynamo.reset()
-    upstream, _ = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict"))
+    upstream, _ = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict", separate_process=False))
     model, _ = warmup(upstream, [(128, 128, ((128, 128),))], text_length=16, steps=1)
     key = compiled_of(model).stats.shapes[0]
     assert key.refs == ((16, 16),) and "reference latents 128x128 px" in key.describe()
@@ -110,7 +110,7 @@ def test_reference_sizes_are_warmed_refused_under_strict_and_counted_under_recom
                                              r"the compiled shape has reference latents 128x128 px"):
         kontext((16, 24))
     assert compiled_graphs() == graphs
-    again, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="recompile", max_shapes=4))
+    again, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="recompile", max_shapes=4, separate_process=False))
     model = again
     kontext((16, 16))
     kontext((16, 24))
@@ -134,8 +134,8 @@ def test_static_activation_scales_are_calibrated_then_compiled_on_their_own(cpu_
 
     clear_compile_counters()
     torch._dynamo.reset()
-    q, _ = apply_fp8(tiny_flux, Fp8Config("per_row", layout="plain"))
-    upstream, compiled = apply_compile(q, CompileConfig(resolution_policy="strict"))
+    q, _ = apply_fp8(tiny_flux, Fp8Config("per_row"))
+    upstream, compiled = apply_compile(q, CompileConfig(resolution_policy="strict", separate_process=False))
     pos = synthetic_conditioning("tiny", text_len=16, seed=42)
     ticks = []
     model, secs = warmup(upstream, [(128, 128)], text_length=16, steps=3, positive=pos, negative=pos,
@@ -171,7 +171,7 @@ def test_static_activation_scales_need_the_workflows_conditioning(cpu_fp8, tiny_
     from fluxaccel.core.quant.patch import apply_fp8
     from fluxaccel.core.quant.static_scales import StaticScalesConfig
 
-    model, _ = apply_compile(apply_fp8(tiny_flux, Fp8Config("per_row", layout="plain"))[0], CompileConfig())
+    model, _ = apply_compile(apply_fp8(tiny_flux, Fp8Config("per_row"))[0], CompileConfig(separate_process=False))
     with pytest.raises(FluxAccelError, match="Warmup \\(FluxAccel\\): activation_scales 'static' calibrates on your "
                                              "prompts' conditioning: connect positive"):
         warmup(model, [(128, 128)], text_length=16, steps=1, static_scales=StaticScalesConfig())
@@ -179,5 +179,5 @@ def test_static_activation_scales_need_the_workflows_conditioning(cpu_fp8, tiny_
     with pytest.raises(FluxAccelError, match="connect negative \\(cfg > 1\\)"):
         warmup(model, [(128, 128)], cfg=2.0, steps=1, positive=pos, static_scales=StaticScalesConfig())
     with pytest.raises(FluxAccelError, match="this model has none: put Quantize FP8"):
-        warmup(apply_compile(tiny_flux, CompileConfig())[0], [(128, 128)], steps=1, positive=pos,
+        warmup(apply_compile(tiny_flux, CompileConfig(separate_process=False))[0], [(128, 128)], steps=1, positive=pos,
                static_scales=StaticScalesConfig())

@@ -73,7 +73,7 @@ def test_dynamic_model_is_quantized_on_its_resident_delegate(cpu_fp8, e2e_file):
 @needs_033
 def test_dynamic_model_is_compiled_on_its_resident_delegate(e2e_file):
     dyn = dynamic_patcher(e2e_file)
-    clone, compiled = apply_compile(dyn, CompileConfig(block_regions=False))
+    clone, compiled = apply_compile(dyn, CompileConfig(separate_process=False))
     assert not clone.is_dynamic() and clone.model is not dyn.model and compiled_of(clone) is compiled
     assert compiled_of(dyn) is None and compiled._dm is clone.model.diffusion_model
 
@@ -129,14 +129,14 @@ def test_where_the_weights_cannot_be_shared_comfyuis_reload_is_used_and_said(e2e
     upstream.forget()
     dyn = _not_as_stored(dynamic_patcher(e2e_file), monkeypatch)
     with caplog.at_level("WARNING", "fluxaccel.upstream"):
-        clone, compiled = apply_compile(dyn, CompileConfig(block_regions=False))
+        clone, compiled = apply_compile(dyn, CompileConfig(separate_process=False))
     assert clone.model is not dyn.model and not resident.shares_weights(clone.model, dyn.model)  # the file again
     assert clone.model.diffusion_model.img_in.weight.device.type == "cpu"
     assert any("unload_model_and_clones" in r.getMessage() and "second host copy" in r.getMessage()
                for r in caplog.records)
     upstream.forget()
     dyn = _not_as_stored(dynamic_patcher(e2e_file, with_init=False), monkeypatch)
-    for apply in (lambda m: apply_fp8(m, Fp8Config()), lambda m: apply_compile(m, CompileConfig())):
+    for apply in (lambda m: apply_fp8(m, Fp8Config()), lambda m: apply_compile(m, CompileConfig(separate_process=False))):
         with pytest.raises(FluxAccelError, match="dynamic VRAM.*UNETLoader.*--disable-dynamic-vram"):
             apply(dyn)
     upstream.forget()
@@ -151,7 +151,7 @@ def test_blocks_captured_by_core_cuda_graphs_are_refused(tiny_flux):
     try:
         assert comfy_compat.core_block_graphs(tiny_flux.model.diffusion_model) == ["diffusion_model.double_blocks.1"]
         with pytest.raises(FluxAccelError, match="per-block CUDA graph on diffusion_model.double_blocks.1"):
-            apply_compile(tiny_flux, CompileConfig(cuda_graphs=True))
+            apply_compile(tiny_flux, CompileConfig(separate_process=False))
     finally:
         comfy.model_prefetch.GRAPH_WARMED_MODULES.discard(block)
     assert comfy_compat.core_block_graphs(tiny_flux.model.diffusion_model) == []
@@ -159,6 +159,6 @@ def test_blocks_captured_by_core_cuda_graphs_are_refused(tiny_flux):
 
 def test_flux_forward_leaves_core_cuda_graph_registry_empty(tiny_flux):
     """FLUX's forward does not use core's per-block graphs: no capture inside ours (both hosts: nothing to find)."""
-    clone, _ = apply_compile(tiny_flux, CompileConfig(cuda_graphs=True, block_regions=False))
+    clone, _ = apply_compile(tiny_flux, CompileConfig(separate_process=False))
     denoise_once(clone, hw=8)
     assert comfy_compat.core_block_graphs(clone.model.diffusion_model) == []

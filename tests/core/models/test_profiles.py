@@ -74,7 +74,7 @@ def test_compiled_equals_eager_in_float32(case):
     model = build_flux(shape, dtype=torch.float32)
     hw = HW.get(case, 16)
     ref = denoise_once(model, hw=hw, refs=refs)
-    compiled_model, compiled = apply_compile(model, CompileConfig(cuda_graphs=False, warm_start=False))
+    compiled_model, compiled = apply_compile(model, CompileConfig(separate_process=False))
     out = denoise_once(compiled_model, hw=hw, refs=refs)
     assert rel_err(out, ref) < 1e-4
     assert len(compiled.stats.shapes) == 1 and compiled.stats.eager_calls == 0
@@ -103,7 +103,7 @@ def test_quantize_compile_warmup_benchmark_chain(cpu_fp8, case, monkeypatch):
     torch._dynamo.reset()
     monkeypatch.setattr(block_regions, "_RECORDS", {})
     q, _ = apply_fp8(model, Fp8Config("per_row"))
-    compiled_model, _ = apply_compile(q, CompileConfig(cuda_graphs=False, warm_start=False))
+    compiled_model, _ = apply_compile(q, CompileConfig(separate_process=False))
     pixel_refs = tuple((w * scale, h * scale) for h, w in refs)
     warmed, secs = warmup(compiled_model, [(px, px, pixel_refs) if refs else (px, px)], text_length=16, steps=1)
     key = compiled_of(warmed).stats.shapes[0]
@@ -162,7 +162,7 @@ def test_an_architecture_without_references_compiles_one_shape_whatever_referenc
     model = build_flux(TINY_CHROMA, dtype=torch.float32)
     ref = denoise_once(model, refs=((16, 16),))
     assert torch.equal(ref, denoise_once(model)), "ComfyUI's Chroma ignores reference latents"
-    compiled_model, compiled = apply_compile(model, CompileConfig(cuda_graphs=False, warm_start=False))
+    compiled_model, compiled = apply_compile(model, CompileConfig(separate_process=False))
     assert rel_err(denoise_once(compiled_model, refs=((16, 16),)), ref) < 1e-4
     assert rel_err(denoise_once(compiled_model, refs=((8, 24),)), ref) < 1e-4
     assert [k.refs for k in compiled.stats.shapes] == [()] and len(compiled.stats.compile_seconds) == 1

@@ -14,7 +14,7 @@ from fluxaccel.core.quant.linear import is_fp8_linear
 from fluxaccel.core.quant.patch import apply_fp8, fp8_state, remove_fp8
 from support.runs import flux_inputs, forward, repatches_per_prompt
 
-TABLE = CompileConfig(cuda_graphs=False, modulation_table="on", warm_start=False)
+TABLE = CompileConfig(separate_process=False)
 
 
 def _block_keys(model) -> set[str]:

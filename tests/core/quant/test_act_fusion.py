@@ -6,7 +6,6 @@ import torch
 from fluxaccel.core.quant import act_fusion
 from fluxaccel.core.quant.fp8 import Fp8Config
 from fluxaccel.core.quant.patch import apply_fp8, fp8_state, remove_fp8
-from fluxaccel.core.quant.static_scales import StaticFp8Linear
 from fluxaccel.core.models import swaps
 from support.runs import denoise_once, flux_inputs, forward
 
@@ -46,17 +45,26 @@ def test_a_single_block_written_otherwise_keeps_its_gelu(tiny_flux):
     assert kept == {"single_blocks.0.mlp_act": ("gelu", "its block's forward is not the single block FluxAccel reads")}
 
 
-def test_fused_computes_what_unfused_does_and_remove_fp8_restores_the_gelus(cpu_fp8, tiny_flux):
+def _unfused(model, monkeypatch, op: str):
+    """apply_fp8 of `model` where the fused operator `op` (GELU_OP_UNAVAILABLE, SILU_GATE_OP_UNAVAILABLE) is not
+    available: the unfused reference."""
+    from fluxaccel.core.quant import fp8
+
+    with monkeypatch.context() as m:
+        m.setattr(fp8, op, "the unfused reference of this test")
+        return apply_fp8(model, Fp8Config("per_row"))
+
+
+def test_fused_computes_what_unfused_does_and_remove_fp8_restores_the_gelus(cpu_fp8, tiny_flux, monkeypatch):
     """The fused clone's forward equals the unfused one's bit for bit (the same GELU and quantization, in one op); the
     GELUs are Identity only in the fused clone's tree; remove_fp8 gives them back."""
     inputs = flux_inputs(tiny_flux.model.diffusion_model)
     fused, report = apply_fp8(tiny_flux, Fp8Config("per_row"))
-    plain, plain_report = apply_fp8(tiny_flux, Fp8Config("per_row", fuse_gelu=False))
+    plain, plain_report = _unfused(tiny_flux, monkeypatch, "GELU_OP_UNAVAILABLE")
     assert "fused into the FP8 quantization of the next Linear (one pass) at 6 of 6 GELUs" in report.summary()
-    assert "MLP GELU kept separate (fuse_gelu off)" in plain_report.summary()
+    assert "MLP GELU kept separate: the unfused reference of this test" in plain_report.summary()
     assert len(fp8_state(fused).fused_keys) == 6 and fp8_state(plain).fused_keys == ()
     assert "SiLU" not in report.summary()  # FLUX.1 has no SiLU gate: its report has no line for one
-    assert fp8_state(fused).config.key() != fp8_state(plain).config.key()
     out = forward(fused, inputs)
     linear2 = fused.model.diffusion_model.single_blocks[0].linear2
     assert _gelus(fused) == [] and (linear2.fused_act, linear2.act_from) == \
@@ -68,42 +76,11 @@ def test_fused_computes_what_unfused_does_and_remove_fp8_restores_the_gelus(cpu_
     assert len(_gelus(back)) == 6 and not any(swaps.get(back, k) for k in fp8_state(fused).fused_keys)
 
 
-@pytest.mark.parametrize("cfg, why", [(Fp8Config("per_tensor"), "per_tensor activation scales need the whole"),
-                                      (Fp8Config("per_row", layout="subclass"), "the subclass layout quantizes")])
-def test_configs_that_cannot_fuse_say_why(cpu_fp8, tiny_flux, cfg, why):
+def test_per_tensor_scales_cannot_fuse_and_say_why(cpu_fp8, tiny_flux):
+    cfg = Fp8Config("per_tensor")
     clone, report = apply_fp8(tiny_flux, cfg)
-    assert f"MLP GELU kept separate: {why}" in report.summary() and fp8_state(clone).fused_keys == ()
-    assert cfg.key() == cfg.weights_key()
-
-
-def test_static_scales_observe_what_a_fused_linear_quantizes(cpu_fp8, tiny_flux):
-    """A static-scale wrapper around a fused Linear records GELU's output range (not its input's), and with its scale
-    set runs the GELU before the static quantization."""
-    x, gelu, amax = _static_case(tiny_flux, 1, lambda x: torch.nn.functional.gelu(x, approximate="tanh"))
-    assert amax == gelu.abs().amax().float() and amax != x.abs().amax().float()
-
-
-def _static_case(model, widen: int, activation):
-    """A static-scale wrapper around the first double block's fused MLP Linear, fed x (widen x its input width):
-    (x, the activated row, the range it recorded). With its scale set it must equal the unfused Linear on the
-    activated row with the same static scale (asserted here)."""
-    fused, _ = apply_fp8(model, Fp8Config("per_row"))
-    inner = swaps.get(fused, "diffusion_model.double_blocks.0.img_mlp.2")
-    w = StaticFp8Linear(inner)
-    g = torch.Generator().manual_seed(1)
-    x = (torch.randn(1, 8, widen * inner.in_features, generator=g) * 3).to(torch.bfloat16)
-    w(x)
-    amax, activated = w.amax, activation(x)
-    w.set_scale(1.0)
-    unfused = StaticFp8Linear(inner)
-    unfused.act_scale = w.act_scale
-    act, inner.fused_act = inner.fused_act, None
-    try:
-        expected = unfused(activated)
-    finally:
-        inner.fused_act = act
-    assert torch.equal(w(x), expected)
-    return x, activated, amax
+    assert "MLP GELU kept separate: per_tensor activation scales need the whole" in report.summary()
+    assert fp8_state(clone).fused_keys == () and cfg.key() == cfg.weights_key()
 
 
 def test_without_the_operator_fusion_is_off_and_said(cpu_fp8, tiny_flux, monkeypatch):
@@ -148,12 +125,9 @@ def test_rows_wider_than_the_kernel_holds_keep_their_gelu(tiny_flux, monkeypatch
 
 @pytest.fixture
 def tiny_flux2():
-    from conftest import COMFY_VERSION
     from support.models import build_flux
     from support.shapes import TINY_FLUX2
 
-    if COMFY_VERSION == "0.3.75":
-        pytest.skip("ComfyUI 0.3.75 has no FLUX.2 (its FluxParams lack FLUX.2's fields)")
     return build_flux(TINY_FLUX2, seed=0)
 
 
@@ -194,18 +168,18 @@ def test_a_silu_gate_written_otherwise_is_not_a_site(tiny_flux2):
     assert kept == {"double_blocks.0.img_mlp.1": ("silu_gate", "its forward is not the SiLU gate FluxAccel reads")}
 
 
-def test_flux2_fused_computes_what_unfused_does(cpu_fp8, tiny_flux2):
+def test_flux2_fused_computes_what_unfused_does(cpu_fp8, tiny_flux2, monkeypatch):
     """FLUX.2 with its SiLU gates fused: the forward equals the unfused one's bit for bit, the report names the
-    SiLU-gate line (and FLUX.2's lack of GELU), fuse_silu_gate off keeps them and says so, remove_fp8 restores them."""
+    SiLU-gate line (and FLUX.2's lack of GELU), without the operator they are kept and said, remove_fp8 restores
+    them."""
     n = len(_silu_gates(tiny_flux2))
     fused, report = apply_fp8(tiny_flux2, Fp8Config("per_row"))
-    plain, plain_report = apply_fp8(tiny_flux2, Fp8Config("per_row", fuse_silu_gate=False))
+    plain, plain_report = _unfused(tiny_flux2, monkeypatch, "SILU_GATE_OP_UNAVAILABLE")
     assert f"MLP SiLU gate fused into the FP8 quantization of the next Linear (one pass) at {n} of {n} SiLU gates" \
         in report.summary() and "no GELU(tanh) MLP in this model to fuse" in report.summary()
-    assert "MLP SiLU gate kept separate (fuse_silu_gate off)" in plain_report.summary()
+    assert "MLP SiLU gate kept separate: the unfused reference of this test" in plain_report.summary()
     assert len(fp8_state(fused).fused_keys) == n and fp8_state(plain).fused_keys == ()
-    assert "silu-gate-fused" in fp8_state(fused).config.key() and \
-        "silu-gate-fused" not in fp8_state(plain).config.key()
+    assert "silu-gate-fused" in fp8_state(fused).config.key()
     out = denoise_once(fused, hw=8)
     assert _silu_gates(fused) == []
     linear2 = fused.model.diffusion_model.single_blocks[0].linear2
@@ -215,14 +189,3 @@ def test_flux2_fused_computes_what_unfused_does(cpu_fp8, tiny_flux2):
     back = remove_fp8(fused)
     assert torch.equal(denoise_once(back, hw=8), denoise_once(tiny_flux2, hw=8))
     assert len(_silu_gates(back)) == n
-
-
-def test_static_scales_observe_the_gated_row(cpu_fp8, tiny_flux2):
-    """A static-scale wrapper around a SiLU-gate Linear records the gated row's range and, with its scale set,
-    quantizes the gated row (the first Linear's whole output goes in)."""
-    def gate(x):
-        m1, m2 = x.chunk(2, dim=-1)
-        return torch.nn.functional.silu(m1) * m2
-
-    _, gated, amax = _static_case(tiny_flux2, 2, gate)
-    assert amax == gated.abs().amax().float()

@@ -68,25 +68,32 @@ def test_bad_config_values():
         Fp8Config(granularity="per_block")
     with pytest.raises(FluxAccelError, match="scope must be one of"):
         Fp8Config(scope="everything")
-    with pytest.raises(FluxAccelError, match="layout must be one of"):
-        Fp8Config(layout="packed")
 
 
-@pytest.mark.parametrize("layout", ["subclass", "plain"])
+def test_removed_inputs_are_said_and_unknown_ones_refused(caplog):
+    """A saved workflow's inputs the node no longer has (layout, fuse_gelu, ...) load with one log line; a name the
+    node never had is refused by name."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="fluxaccel.nodes"):
+        cfg = Fp8Config.from_inputs({"granularity": "per_tensor", "layout": "subclass", "fuse_gelu": False}, "Q")
+    assert cfg == Fp8Config("per_tensor")
+    said = [r.getMessage() for r in caplog.records if r.name == "fluxaccel.nodes"]
+    assert len(said) == 1 and "layout='subclass', fuse_gelu=False" in said[0] and "no longer has" in said[0]
+    with pytest.raises(FluxAccelError, match="Q has no input 'scopes'"):
+        Fp8Config.from_inputs({"scopes": "blocks"}, "Q")
+
+
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_row"])
-def test_scales_have_the_granularity(cpu_fp8, granularity, layout):
+def test_scales_have_the_granularity(cpu_fp8, granularity):
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 96, dtype=torch.bfloat16)
     # rows of very different magnitude: per-row scales must differ row by row, per-tensor has one
     with torch.no_grad():
         lin.weight.mul_(torch.logspace(-2, 1, 96, dtype=torch.bfloat16)[:, None])
-    q = quantize_linear(lin, Fp8Config(granularity, layout=layout), "cpu")
-    if layout == "subclass":
-        assert is_fp8_weight(q.weight) and q.weight.qdata.dtype == torch.float8_e4m3fn
-        scale = q.weight.scale.float().flatten()
-    else:
-        assert not is_fp8_weight(q.weight) and q.weight.dtype == torch.float8_e4m3fn
-        scale = q.fp8_weight_scale.float().flatten()
+    q = quantize_linear(lin, Fp8Config(granularity), "cpu")
+    assert not is_fp8_weight(q.weight) and q.weight.dtype == torch.float8_e4m3fn
+    scale = q.fp8_weight_scale.float().flatten()
     if granularity == "per_row":
         assert scale.numel() == 96
         amax = lin.weight.float().abs().amax(dim=1)
@@ -96,17 +103,16 @@ def test_scales_have_the_granularity(cpu_fp8, granularity, layout):
     assert not is_fp8_weight(lin.weight), "the original Linear must stay bf16"
 
 
-@pytest.mark.parametrize("layout", ["subclass", "plain"])
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_row"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_block_fidelity(cpu_fp8, tiny_flux, granularity, compiled, layout):
+def test_block_fidelity(cpu_fp8, tiny_flux, granularity, compiled):
     """One FLUX double block with its Linears quantized, against the bf16 block on the same inputs."""
     import copy
 
     dm = tiny_flux.model.diffusion_model
     block = dm.double_blocks[0]
     qblock = copy.deepcopy(block)
-    cfg = Fp8Config(granularity, layout=layout)
+    cfg = Fp8Config(granularity)
     for name, mod in list(qblock.named_modules()):
         if isinstance(mod, torch.nn.Linear) and in_scope(f"double_blocks.0.{name}", cfg.scope):
             parent, _, leaf = name.rpartition(".")
@@ -126,25 +132,6 @@ def test_block_fidelity(cpu_fp8, tiny_flux, granularity, compiled, layout):
         assert 0 < e < BOUND, f"{granularity} block rel err {e:.4f} (SQNR {sqnr_db(out, ref):.1f} dB)"
 
 
-def test_fp8_linear_moves_devices_without_float8tensor_to(cpu_fp8, monkeypatch):
-    """ComfyUI moves modules with Module.to(); on torch 2.11 Float8Tensor.to(other device) fails, so our
-    quantized Linear moves qdata/scale itself. Checked on the meta device with Float8Tensor.to disabled."""
-    from torchao.quantization import Float8Tensor
-
-    lin = torch.nn.Linear(32, 48, dtype=torch.bfloat16)
-    q = quantize_linear(lin, Fp8Config("per_row", layout="subclass"), "cpu")
-
-    def refuse(*a, **k):
-        raise AssertionError("Float8Tensor.to must not be used for device moves")
-
-    monkeypatch.setattr(Float8Tensor, "to", refuse)
-    q.to("meta")
-    assert isinstance(q.weight, Float8Tensor) and q.weight.device.type == "meta"
-    assert q.weight.qdata.device.type == "meta" and q.weight.scale.device.type == "meta"
-    assert q.bias.device.type == "meta" and isinstance(q, type(lin))
-    assert lin.weight.device.type == "cpu"
-
-
 def _inputs_of_compiled(fn, *args) -> list:
     """The tensors a torch.compile'd call takes as graph inputs (recorded by a pass-through backend)."""
     seen = []
@@ -158,23 +145,36 @@ def _inputs_of_compiled(fn, *args) -> list:
     return seen
 
 
+def _torchao_linear(lin: torch.nn.Linear, cfg: Fp8Config) -> torch.nn.Linear:
+    """torchao's own quantization of a copy of `lin` (its weight a Float8Tensor: F.linear dispatches to torchao)."""
+    import copy
+
+    from torchao.quantization import quantize_
+
+    sub = copy.deepcopy(lin)
+    with torch.no_grad():
+        quantize_(sub, cfg.torchao_config())
+    return sub
+
+
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_row"])
-def test_plain_layout_is_torchao_numerics_on_plain_tensors(cpu_fp8, granularity):
-    """The plain layout runs the same torchao functions on the FP8 data and scale: bit-identical to F.linear on
-    the Float8Tensor weight in eager mode, the same weight bytes, and a compiled call takes no tensor-subclass
-    inputs (the subclass layout does: that is what the plain layout removes from every compiled call)."""
+def test_fp8_linear_is_torchao_numerics_on_plain_tensors(cpu_fp8, granularity):
+    """FluxAccel's FP8 Linear runs torchao's functions on the FP8 data and scale: bit-identical to F.linear on
+    torchao's Float8Tensor weight in eager mode, the same weight bytes, and a compiled call takes no tensor-subclass
+    inputs (torchao's own Linear does: that is what the plain tensors remove from every compiled call)."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 96, dtype=torch.bfloat16)
     with torch.no_grad():
         lin.weight.mul_(torch.logspace(-2, 1, 96, dtype=torch.bfloat16)[:, None])
-    sub = quantize_linear(lin, Fp8Config(granularity, layout="subclass"), "cpu")
-    plain = quantize_linear(lin, Fp8Config(granularity, layout="plain"), "cpu")
-    assert is_fp8_linear(sub) and is_fp8_linear(plain) and not is_fp8_linear(lin)
+    sub = _torchao_linear(lin, Fp8Config(granularity))
+    plain = quantize_linear(lin, Fp8Config(granularity), "cpu")
+    assert is_fp8_linear(plain) and not is_fp8_linear(sub) and not is_fp8_linear(lin)
     assert isinstance(plain, type(lin)) and not is_fp8_weight(plain.weight)
     assert plain.weight.dtype == torch.float8_e4m3fn and type(plain.weight) is torch.nn.Parameter
     assert torch.equal(plain.weight.view(torch.uint8), sub.weight.qdata.view(torch.uint8))
     assert torch.equal(plain.fp8_weight_scale, sub.weight.scale)
-    assert linear_weight_bytes(plain) == linear_weight_bytes(sub) < linear_weight_bytes(lin)
+    assert linear_weight_bytes(plain) == sub.weight.qdata.numel() + 4 * sub.weight.scale.numel() \
+        < linear_weight_bytes(lin)
     x = torch.randn(2, 7, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         ref, out = sub(x), plain(x)
@@ -188,12 +188,12 @@ def test_plain_layout_is_torchao_numerics_on_plain_tensors(cpu_fp8, granularity)
         [type(t).__name__ for t in plain_inputs]
 
 
-def test_plain_layout_moves_and_refuses_weight_functions(cpu_fp8):
+def test_fp8_linear_moves_and_refuses_weight_functions(cpu_fp8):
     """ComfyUI moves modules with .to() (data and scale move together) and attaches weight functions for lowvram
     or LoRA patches: an FP8 Linear refuses them instead of ignoring them."""
     lin = torch.nn.Linear(32, 48, dtype=torch.bfloat16)
-    q = quantize_linear(lin, Fp8Config("per_row", layout="plain"), "cpu")
-    moved = quantize_linear(lin, Fp8Config("per_row", layout="plain"), "cpu").to("meta")
+    q = quantize_linear(lin, Fp8Config("per_row"), "cpu")
+    moved = quantize_linear(lin, Fp8Config("per_row"), "cpu").to("meta")
     assert moved.weight.device.type == moved.fp8_weight_scale.device.type == moved.bias.device.type == "meta"
     assert moved.weight.dtype == torch.float8_e4m3fn
     assert q(torch.randn(3, 32, dtype=torch.bfloat16)).shape == (3, 48)
@@ -202,11 +202,11 @@ def test_plain_layout_moves_and_refuses_weight_functions(cpu_fp8):
         q(torch.randn(3, 32, dtype=torch.bfloat16))
 
 
-def test_plain_layout_keeps_its_fp8_data_through_a_dtype_cast(cpu_fp8):
-    """module.to(torch.bfloat16) on an FP8 Linear of the plain layout used to cast the FP8 data to bf16 values without
-    their scale (the next forward raised): the data and scales keep their dtypes, the output is unchanged."""
+def test_fp8_linear_keeps_its_fp8_data_through_a_dtype_cast(cpu_fp8):
+    """module.to(torch.bfloat16) on an FP8 Linear must not cast the FP8 data to bf16 values without their scale (the
+    next forward would raise): the data and scales keep their dtypes, the output is unchanged."""
     lin = torch.nn.Linear(32, 48, dtype=torch.bfloat16)
-    q = quantize_linear(lin, Fp8Config("per_row", layout="plain"), "cpu")
+    q = quantize_linear(lin, Fp8Config("per_row"), "cpu")
     x = torch.randn(3, 32, dtype=torch.bfloat16)
     ref = q(x)
     scale_dtype = q.fp8_weight_scale.dtype
@@ -219,7 +219,7 @@ def test_quantized_copy_has_its_own_hook_registries(cpu_fp8):
     """A hook registered on the quantized copy (or on the original) stays on that module: the copy once shared the
     original's hook dicts, so the loaded bf16 model ran hooks meant for the FP8 clone."""
     lin = torch.nn.Linear(32, 48, dtype=torch.bfloat16)
-    q = quantize_linear(lin, Fp8Config("per_row", layout="plain"), "cpu")
+    q = quantize_linear(lin, Fp8Config("per_row"), "cpu")
     q.register_forward_hook(lambda *a: None)
     q.register_forward_pre_hook(lambda *a: None)
     assert len(q._forward_hooks) == 1 and len(q._forward_pre_hooks) == 1
@@ -227,7 +227,8 @@ def test_quantized_copy_has_its_own_hook_registries(cpu_fp8):
 
 
 def test_torchao_config_pins_the_torch_kernel_path():
-    """Both layouts run torchao's TORCH kernel path (torch._scaled_mm), the one the plain layout replays."""
+    """torchao's own quantization is pinned to its TORCH kernel path (torch._scaled_mm), the one fp8_linear
+    replays."""
     from torchao.quantization.quantize_.common import KernelPreference
 
     for g in ("per_row", "per_tensor"):

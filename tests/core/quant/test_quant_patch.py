@@ -1,4 +1,4 @@
-"""core/fp8_patch.py: FP8 applied to a ModelPatcher clone through ComfyUI's real model management."""
+"""core/quant/patch.py: FP8 applied to a ModelPatcher clone through ComfyUI's real model management."""
 import pytest
 import torch
 
@@ -18,13 +18,12 @@ def _fp8_weights_in_tree(model) -> int:
     return sum(is_fp8_linear(m) for m in model.model.diffusion_model.modules())
 
 
-@pytest.mark.parametrize("layout", ["subclass", "plain"])
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_row"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_whole_model_fidelity_and_branch_isolation(cpu_fp8, tiny_flux, granularity, compiled, layout):
+def test_whole_model_fidelity_and_branch_isolation(cpu_fp8, tiny_flux, granularity, compiled):
     inputs = flux_inputs(tiny_flux.model.diffusion_model)
     ref = forward(tiny_flux, inputs)
-    q, report = apply_fp8(tiny_flux, Fp8Config(granularity, layout=layout))
+    q, report = apply_fp8(tiny_flux, Fp8Config(granularity))
     assert q is not tiny_flux and len(report.quantized) == 20
     out = forward(q, inputs, compiled=compiled)
     assert _fp8_weights_in_tree(q) == 20, "the loaded clone must run the FP8 Linears"
@@ -55,12 +54,6 @@ def test_other_config_requantizes_from_bf16(cpu_fp8, tiny_flux):
     assert not report.already_applied and len(report.quantized) == 20
     # Quantized from the bf16 originals (not from FP8): bit-identical to quantizing the plain model.
     assert torch.equal(forward(per_tensor_from_row, inputs), expected)
-    # Another layout is another config too; the subclass layout computes exactly what the plain layout does.
-    sub, report = apply_fp8(per_tensor_from_row, Fp8Config("per_tensor", layout="subclass"))
-    assert not report.already_applied and fp8_state(sub).config.key() == ["per_tensor", "blocks", "subclass"]
-    assert "plain-tensor layout" not in report.summary()
-    assert "plain-tensor layout" in apply_fp8(sub, Fp8Config("per_tensor"))[1].summary()
-    assert torch.equal(forward(sub, inputs), expected)
 
 
 def test_report_counts_and_bytes(cpu_fp8, tiny_flux):
@@ -86,24 +79,21 @@ def test_remove_fp8_restores_the_original_computation(cpu_fp8, tiny_flux):
     assert torch.equal(forward(base, inputs), ref)
 
 
-@pytest.mark.parametrize("layout", ["subclass", "plain"])
-def test_steady_state_holds_only_fp8_copies(cpu_fp8, tiny_flux, layout):
+def test_steady_state_holds_only_fp8_copies(cpu_fp8, tiny_flux):
     """While the FP8 clone is loaded, the live module tree holds the FP8 Linears, not FP8 + bf16: the bf16
     originals sit only in ComfyUI's object-patch backup, on the offload device."""
     import comfy.model_management as mm
 
     bf16_bytes = sum(p.numel() * p.element_size() for p in tiny_flux.model.diffusion_model.parameters())
-    q, r = apply_fp8(tiny_flux, Fp8Config(layout=layout))
+    q, r = apply_fp8(tiny_flux, Fp8Config())
     mm.load_models_gpu([q])
     dm = q.model.diffusion_model
     for name in r.quantized:
         lin = dm.get_submodule(name)
-        assert is_fp8_linear(lin) and is_fp8_weight(lin.weight) == (layout == "subclass")
-        assert (lin.weight.qdata if layout == "subclass" else lin.weight).dtype == torch.float8_e4m3fn
+        assert is_fp8_linear(lin) and lin.weight.dtype == torch.float8_e4m3fn
         backup = swaps.original(q, f"diffusion_model.{name}")
         assert backup.weight.dtype == torch.bfloat16 and backup.weight.device == q.offload_device
-    live_bytes = sum(p.qdata.numel() + p.scale.numel() * 4 if is_fp8_weight(p) else p.numel() * p.element_size()
-                     for p in dm.parameters())
+    live_bytes = sum(p.numel() * p.element_size() for p in dm.parameters())
     live_bytes += sum(b.numel() * b.element_size() for n, b in dm.named_buffers() if n.endswith("fp8_weight_scale"))
     assert live_bytes == bf16_bytes - r.bytes_saved
 
@@ -161,15 +151,22 @@ def _with_lora(model, strength=1.0, seed=3):
     return clone
 
 
-@pytest.mark.parametrize("layout", ["subclass", "plain"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_lora_before_quantize_is_merged_into_fp8(cpu_fp8, tiny_flux, compiled, layout):
+def test_lora_before_quantize_is_merged_into_fp8(cpu_fp8, tiny_flux, compiled):
+    from fluxaccel.core.quant.linear import quantize_linear
+
     inputs = flux_inputs(tiny_flux.model.diffusion_model)
     base = forward(tiny_flux, inputs)
     lora = _with_lora(tiny_flux)
     lora_ref = forward(lora, inputs)
     assert rel_err(lora_ref, base) > 0.2, "the test LoRA must change the output clearly"
-    q, report = apply_fp8(lora, Fp8Config("per_row", layout=layout))
+    # the weight ComfyUI's own load patched into the live tree (its compute dtype, its rounding), quantized here
+    name = LORA_KEYS[0][len("diffusion_model."):-len(".weight")]
+    expected = quantize_linear(lora.model.diffusion_model.get_submodule(name), Fp8Config("per_row"), "cpu")
+    q, report = apply_fp8(lora, Fp8Config("per_row"))
+    mine = swaps.get(q, f"diffusion_model.{name}")
+    assert torch.equal(mine.weight.view(torch.uint8), expected.weight.view(torch.uint8))
+    assert torch.equal(mine.fp8_weight_scale, expected.fp8_weight_scale)
     assert sorted(report.merged_patches) == sorted(LORA_KEYS) and "merged 4 weight patches" in report.summary()
     assert not any(k in q.patches for k in LORA_KEYS), "merged patches must not be applied to FP8 weights again"
     out = forward(q, inputs, compiled=compiled)
@@ -179,18 +176,17 @@ def test_lora_before_quantize_is_merged_into_fp8(cpu_fp8, tiny_flux, compiled, l
     # another strength is another result, and FP8 follows it
     half = _with_lora(tiny_flux, strength=0.5)
     half_ref = forward(half, inputs)
-    q_half, _ = apply_fp8(half, Fp8Config("per_row", layout=layout))
+    q_half, _ = apply_fp8(half, Fp8Config("per_row"))
     out_half = forward(q_half, inputs, compiled=compiled)
     assert rel_err(out_half, half_ref) < BOUND < rel_err(out_half, lora_ref)
 
 
-@pytest.mark.parametrize("layout", ["subclass", "plain"])
-def test_lora_after_quantize_is_refused_when_sampling_starts(cpu_fp8, tiny_flux, layout):
+def test_lora_after_quantize_is_refused_when_sampling_starts(cpu_fp8, tiny_flux):
     """A weight patch added after Quantize FP8 on an FP8 Linear: ComfyUI's sampler refuses it before loading the model,
     with what to do (the LoRA node itself succeeds: ComfyUI offers no hook there), instead of patching FP8 data or
     failing inside ComfyUI's weight cast; the FP8 model keeps working, and so do patches on bf16 layers."""
     inputs = flux_inputs(tiny_flux.model.diffusion_model)
-    q, _ = apply_fp8(tiny_flux, Fp8Config("per_row", layout=layout))
+    q, _ = apply_fp8(tiny_flux, Fp8Config("per_row"))
     ref = forward(q, inputs)
     late = _with_lora(q)
     with pytest.raises(FluxAccelError, match=r"already FP8-quantized.*\(4 patched layers.*Put LoraLoaderModelOnly .*"
@@ -220,6 +216,19 @@ def test_quantizes_unpatched_weights_while_another_clone_is_loaded(cpu_fp8, tiny
     q_during, report = apply_fp8(tiny_flux, Fp8Config("per_row"))
     assert report.merged_patches == []
     assert torch.equal(forward(q_during, inputs), clean)
+
+
+def test_merges_a_lora_from_the_stored_weights_while_another_lora_is_loaded(cpu_fp8, tiny_flux):
+    """ComfyUI's weight patching reads the live tree: where another clone's LoRA is applied there, ComfyUI's own
+    unload restores the stored weights first, so the merge starts from them (equal to merging with nothing loaded)."""
+    inputs = flux_inputs(tiny_flux.model.diffusion_model)
+    lora = _with_lora(tiny_flux)  # (its patches are scaled by the stored weights: made before another is loaded)
+    expected = forward(apply_fp8(lora, Fp8Config("per_row"))[0], inputs)
+    forward(_with_lora(tiny_flux, seed=5), inputs)  # another LoRA's weights now live in the module tree
+    assert tiny_flux.backup
+    q, report = apply_fp8(lora, Fp8Config("per_row"))
+    assert len(report.merged_patches) == 4 and not tiny_flux.backup
+    assert torch.equal(forward(q, inputs), expected)
 
 
 @pytest.mark.parametrize("free_gib, expect", [(40, "cuda:0"), (12, "cpu")])

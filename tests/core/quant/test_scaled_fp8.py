@@ -79,7 +79,7 @@ def test_compile_runs_on_the_requantized_model(cpu_fp8, files):
     q, _ = apply_fp8(scaled, Fp8Config())
     # compiled straight after Quantize, before any load, as in a prompt: the live modules are still the
     # checkpoint's QuantizedTensor ones; the clone's object patches replace them at load
-    clone, compiled = apply_compile(q, CompileConfig(block_regions=True))
+    clone, compiled = apply_compile(q, CompileConfig(separate_process=False))
     eager = denoise_once(q, hw=8)
     out = denoise_once(clone, hw=8)
     assert compiled.stats.calls == 1 and compiled.stats.eager_calls == 0
@@ -88,4 +88,4 @@ def test_compile_runs_on_the_requantized_model(cpu_fp8, files):
 
 def test_compile_without_quantize_names_the_fix(files):
     with pytest.raises(FluxAccelError, match="already quantized by ComfyUI's mixed-precision ops.*Put Quantize FP8"):
-        apply_compile(load(files[1]), CompileConfig())
+        apply_compile(load(files[1]), CompileConfig(separate_process=False))

@@ -115,8 +115,6 @@ def write_other(tmp_path):
 
 def test_what_is_not_cached_says_why(cpu_fp8, cache, tiny_file, tiny_flux, monkeypatch):
     assert apply_fp8(tiny_flux, Fp8Config())[1].weights_cache == "not cached: no weights file is known for this model"
-    assert apply_fp8(load(tiny_file), Fp8Config(layout="subclass"))[1].weights_cache == (
-        "not cached: the 'subclass' layout is not cached")
     lora = load(tiny_file)
     lora.add_patches({"diffusion_model.double_blocks.0.img_attn.qkv.weight":
                       (torch.zeros_like(lora.model.diffusion_model.double_blocks[0].img_attn.qkv.weight),)}, 0.5)

@@ -1,35 +1,31 @@
-"""Repeated-block regions inside the whole-model compile: each kind of FLUX block is compiled once and reused.
+"""Each kind of FLUX block compiled once, on its own, and called for every block of that kind.
 
-FLUX.1 runs 19 identical double-stream and 38 identical single-stream blocks. A whole-model torch.compile traces,
-lowers and Triton-compiles all 57 of them; `torch.compiler.nested_compile_region` marks a block as a region that
-the compiler builds once per kind and calls again for the other blocks (hierarchical compilation). The model is
-still ONE compiled graph, so CUDA graphs still capture the whole model call (unlike per-block compile).
+FLUX.1 runs 19 identical double-stream and 38 identical single-stream blocks (FLUX.2 and Chroma likewise). Each kind's
+body is one torch.compile (inductor; with FluxAccel's CUDA-graph capture, its C++ wrapper: config.inductor_options),
+traced once and called with each block of its kind; the model around the blocks runs as ComfyUI's own code, and the
+whole model call is captured into one CUDA graph by call_graphs.py where it can be.
 
-How the regions get in without touching the loaded model: ComfyUI's FLUX forward looks up
+How the blocks get in without touching the loaded model: ComfyUI's FLUX forward looks up
 transformer_options["patches_replace"]["dit"][("double_block", i)] for every block. The compiled call passes a
-table of replacements that call the same block through a region function. Nothing is set on the module itself,
+table of replacements that call the same block through the compiled body. Nothing is set on the module itself,
 so other workflow branches using the same model run the original code.
 
-What the region needs:
-  * the blocks add their residuals in place (img += ...); a region must not mutate its inputs, so it clones
-    them first (inductor folds the copy into the add: same bytes as the in-place add);
+What a compiled body needs:
+  * the blocks add their residuals in place (img += ...); the body clones its inputs first, so that the caller's
+    tensors are never written (inductor folds the copy into the add);
   * FLUX.2 and Chroma hand every block its modulation as ModulationOut records whose tensors are slices of one
-    tensor (computed once per call, outside the blocks); a region takes no inputs that alias each other, so those
-    slices are copied before the call (a few KB per block; FLUX.1's per-block modulation is computed inside), and
-    passed as plain tensors with a constant layout, the records rebuilt inside (see the last point);
-  * transformer_options carries block_index (a different constant per block): the region would be specialised
-    per block and never reused. Nothing inside a FLUX block reads it (ComfyUI 0.3.75), so it is left out; so is
-    our own replacement table;
-  * torch 2.12+ traces a region once and stamps that trace out for the next blocks, if its inputs are tensors,
-    constants or objects it can guard: FluxAccel's attention override (a function) is therefore put back into the
-    options inside the region instead of passed in, and modulation records are passed as tensors (CPU, torch 2.14,
-    19 + 38 blocks: tracing 13.9 -> 5.2 s).
+    tensor (computed once per call, outside the blocks); they are passed as plain tensors with a constant layout and
+    the records rebuilt inside (a dataclass instance per call would be a new guard);
+  * transformer_options carries block_index (a different constant per block): the body would be specialised
+    per block and never reused. Nothing inside a FLUX block reads it, so it is left out; so is our own replacement
+    table; FluxAccel's attention override (a function) is put back inside the body rather than passed in.
 
-A single block's region runs FluxAccel's own forward of it (single_block.py: no concatenation written before linear2)
-where the config asks for it and the block is one that forward was written for; any other block, its own forward.
+A single block runs FluxAccel's forward of it (single_block.py: no concatenation written before linear2) where the
+block is one that forward was written for; any other block, its own forward.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 
@@ -38,19 +34,11 @@ import torch
 from . import single_block
 from .attention import OVERRIDE_KEY
 from .fp8_attention import SCALES_KEY, qk_scales
-from .options import OWN_ATTENTION  # the override a region puts back, by the name it takes (a constant input)
+from .options import OWN_ATTENTION  # the override a body puts back, by the name it takes (a constant input)
 
 DOUBLE = "double_block"
 SINGLE = "single_block"
 _PER_BLOCK_KEYS = ("block_index", "patches_replace")
-
-
-def available() -> bool:
-    return hasattr(torch.compiler, "nested_compile_region")
-
-
-def _region(fn):
-    return torch.compiler.nested_compile_region(fn) if available() else fn
 
 
 def _double_body(block, img, txt, vec_layout, vec_tensors, pe, attn_mask, transformer_options, own_attention):
@@ -67,11 +55,8 @@ def _single_body(block, img, vec_layout, vec_tensors, pe, attn_mask, transformer
     return block(img.clone(), **kwargs)
 
 
-_double, _single = _region(_double_body), _region(_single_body)
-
-
 def _with_attention(block, options: dict, own_attention: str) -> dict:
-    """FluxAccel's attention override is put back inside the region rather than passed in (see the module's notes);
+    """FluxAccel's attention override is put back inside the body rather than passed in (see the module's notes);
     FP8 attention also takes this block's Q/K scales from its QK-norm weights (fp8_attention.py)."""
     if not own_attention:
         return options
@@ -83,13 +68,12 @@ def _with_attention(block, options: dict, own_attention: str) -> dict:
     return out
 
 
-_RECORDS: dict[str, type] = {}  # the modulation record classes met, by name (a region rebuilds them from the name)
+_RECORDS: dict[str, type] = {}  # the modulation record classes met, by name (a body rebuilds them from the name)
 
 
 def _flat(vec, nested: bool = False) -> tuple:
-    """(layout, tensors): vec as constants and tensors only, which torch can reuse a region's trace for. FLUX.1's
-    vector as it is; FLUX.2's and Chroma's modulation records (slices of one tensor, which a region may not take as
-    aliasing inputs) as copies of their tensors."""
+    """(layout, tensors): vec as constants and tensors only, which one trace serves for every block. FLUX.1's vector
+    as it is; FLUX.2's and Chroma's modulation records (slices of one tensor) as copies of their tensors."""
     if isinstance(vec, torch.Tensor):
         return "tensor", (vec.clone() if nested else vec,)
     if vec is None:
@@ -103,7 +87,7 @@ def _flat(vec, nested: bool = False) -> tuple:
             _RECORDS[name] = type(vec)
         fields = tuple(f.name for f in dataclasses.fields(vec))
         return ("record", name, fields), tuple(getattr(vec, f).clone() for f in fields)
-    raise TypeError(f"block_regions: a FLUX block's vec of type {type(vec).__name__} is not known")
+    raise TypeError(f"FluxAccel: a FLUX block's vec of type {type(vec).__name__} is not known")
 
 
 def _known_records(dm: torch.nn.Module) -> None:
@@ -118,7 +102,7 @@ def _known_records(dm: torch.nn.Module) -> None:
 
 
 def _rebuilt(layout, tensors: tuple):
-    """_flat's inverse (inside the region)."""
+    """_flat's inverse (inside the compiled body)."""
     return _take(layout, tensors, 0)[0]
 
 
@@ -147,7 +131,7 @@ def _shared_options(options: dict | None) -> tuple[dict, str]:
     return shared, own
 
 
-def _double_replacement(block, double=_double):
+def _double_replacement(block, double):
     def replace(args, extra):
         img, txt = double(block, args["img"], args["txt"], *_flat(args["vec"]), args["pe"], args.get("attn_mask"),
                           *_shared_options(args.get("transformer_options")))
@@ -156,33 +140,13 @@ def _double_replacement(block, double=_double):
     return replace
 
 
-def _single_replacement(block, own_forward: bool, single=_single):
+def _single_replacement(block, own_forward: bool, single):
     def replace(args, extra):
         img = single(block, args["img"], *_flat(args["vec"]), args["pe"], args.get("attn_mask"),
                      *_shared_options(args.get("transformer_options")), own_forward and single_block.ready(block))
         return {"img": img}
 
     return replace
-
-
-def for_config(dm: torch.nn.Module, cfg, device: torch.device, packages=None) -> "BlockRegions | None":
-    """The block table a compile config asks for (None without block_regions): nested regions inside the whole-model
-    compile, or with graph_capture "call" each kind of block compiled on its own (inductor's C++ wrapper, which
-    refuses nested regions; the model around the blocks runs uncompiled and FluxAccel captures the whole call), through
-    warm-start packages where `packages` (warm_start.Packages) is given."""
-    if not cfg.block_regions:
-        return None
-    if cfg.nested_regions:
-        return BlockRegions(dm, cfg.single_blocks)
-    options = cfg.inductor_options(device)
-
-    def compiled(fn):
-        fn_compiled = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True, options=options)
-        return fn_compiled if packages is None else _Packaged(fn, fn_compiled, packages, lambda: regions.shape,
-                                                              lambda: regions.loading)
-
-    regions = BlockRegions(dm, cfg.single_blocks, compile_blocks=compiled)
-    return regions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,32 +166,34 @@ class _Packaged:
     """A block body compiled through warm-start packages (one per block kind and call signature): loaded in a
     restarted ComfyUI instead of traced again; torch.compile where a call cannot have one (the log says why)."""
 
-    def __init__(self, fn, fn_compiled, packages, shape, loading):
-        # shape(): the call's shape key; loading(): the context that marks a package load in the compile's progress
-        self.fn, self.fn_compiled, self.packages, self.shape, self.loading = fn, fn_compiled, packages, shape, loading
+    def __init__(self, fn, fn_compiled, packages, table):
+        self.fn, self.fn_compiled, self.packages, self.table = fn, fn_compiled, packages, table
         self.kind = DOUBLE if fn is _double_body else SINGLE
 
     def __call__(self, block, *args):
-        package = self.packages.get(BlockCall(self.shape(), self.kind), block, args, {}, self.loading(), fn=self.fn)
+        package = self.packages.get(BlockCall(self.table.shape, self.kind), block, args, {}, self.table.loading,
+                                    fn=self.fn)
         return self.fn_compiled(block, *args) if package is None else package(block, *args)
 
 
-class BlockRegions:
-    """The patches_replace table for one FLUX diffusion model, rebuilt only if its blocks are swapped. single_blocks:
-    "fluxaccel" runs FluxAccel's single-block forward where it applies (single_block.py), "comfyui" the block's own."""
+class BlockTable:
+    """The patches_replace table of one FLUX diffusion model, each kind of block compiled once with `options`
+    (inductor's), through warm-start packages where `packages` (warm_start.Packages) is given; rebuilt only if the
+    model's blocks are swapped."""
 
-    def __init__(self, dm: torch.nn.Module, single_blocks: str = "comfyui", compile_blocks=None):
+    def __init__(self, dm: torch.nn.Module, options: dict, packages=None):
         self._dm = dm
         _known_records(dm)
         self.shape = None  # the shape key of the call running (set by the runner; per-block packages name it)
-        self.loading = None  # the running call's package-load marker (set by the runner; per-block packages use it)
-        self._own_single = single_blocks == "fluxaccel"
+        self.loading = contextlib.nullcontext  # the running call's package-load marker (set by the runner)
         self._blocks: tuple = ()
         self._table: dict = {}
-        # compile_blocks(fn) -> compiled fn: each block kind compiled on its own (the model around them runs eager),
-        # instead of nested regions inside a whole-model compile
-        self._double, self._single = (_double, _single) if compile_blocks is None else \
-            (compile_blocks(_double_body), compile_blocks(_single_body))
+
+        def compiled(fn):
+            fn_compiled = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True, options=options)
+            return fn_compiled if packages is None else _Packaged(fn, fn_compiled, packages, self)
+
+        self._double, self._single = compiled(_double_body), compiled(_single_body)
 
     def table(self) -> dict:
         blocks = (*self._dm.double_blocks, *self._dm.single_blocks)
@@ -235,8 +201,8 @@ class BlockRegions:
             n = len(self._dm.double_blocks)
             self._blocks = blocks
             self._table = {(DOUBLE, i): _double_replacement(b, self._double) for i, b in enumerate(blocks[:n])}
-            own = {cls: not single_block.known(cls) for cls in {type(b) for b in blocks[n:]}} if self._own_single \
-                else {}  # per block class: whether FluxAccel's single-block forward was written for it
+            # per block class: whether FluxAccel's single-block forward was written for it
+            own = {cls: not single_block.known(cls) for cls in {type(b) for b in blocks[n:]}}
             self._table.update({(SINGLE, i): _single_replacement(b, own.get(type(b), False), self._single)
                                 for i, b in enumerate(blocks[n:])})
         return self._table
