@@ -14,7 +14,7 @@ import torch
 
 from ..errors import FluxAccelError
 from ..inputs import node_field, node_inputs
-from ..upstream import torch_internals
+from ..upstream import Unavailable, torch_internals
 
 # tuned-kernels: inductor tunes the block sizes of the Triton kernels it generates (coordinate descent, at their first
 # launch), without max-autotune's GEMM benchmarking; max-autotune: also benchmarks GEMM choices while compiling
@@ -74,10 +74,11 @@ class CompileConfig:
     def inductor_options(self, capture: bool) -> dict:
         """Options of FluxAccel's torch.compile calls only (no process-wide inductor/dynamo config changes).
         capture: the calls are captured into CUDA graphs by FluxAccel (call_graphs.py)."""
-        opts = dict(_MODE_OPTIONS[self.mode]()) if self.mode in _MODE_OPTIONS else {}
-        if self.mode != "default" and not opts:
+        opts = _MODE_OPTIONS[self.mode]() if self.mode in _MODE_OPTIONS else {}
+        if self.mode != "default" and (isinstance(opts, Unavailable) or not opts):
             raise FluxAccelError(f"mode {self.mode!r} cannot be expanded to inductor options here ({opts}); set mode to "
                                  f"'default' on the Compile node.")
+        opts = dict(opts)
         opts["triton.cudagraphs"] = False  # FluxAccel captures whole calls (call_graphs.py)
         if capture:
             opts["cpp_wrapper"] = True  # kernels launched from C++: the call can be captured under cudaMallocAsync

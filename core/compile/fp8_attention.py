@@ -6,13 +6,10 @@ into the kernel that makes the tensor (QK-norm and RoPE for Q and K): no separat
 
 Scales: FLUX normalises Q and K per head (RMSNorm with a learned weight) before RoPE, so no element of Q can exceed
 sqrt(head_dim) x the largest |weight| (an RMS-normed vector's element is at most sqrt(head_dim) in size, and RoPE
-rotates pairs, which keeps their length). With block regions on, Q's and K's scales come from that bound (1 % over
-it, for rounding), read from the block's norm weights inside the graph: no reduction over Q or K. V has no such bound:
-its scale is each call's absmax. Without block regions the override does not see the block, and Q and K take each
-call's absmax too (slower; the Compile node says so). Values are clamped to FP8's range before the cast.
-
-H200, FLUX.1-dev blocks at 1024² (bench/NOTES.md): −6.7 % per step against cuDNN's bf16 attention, single-block
-error 0.0451 → 0.0458 against bf16 eager.
+rotates pairs, which keeps their length). Q's and K's scales come from that bound (1 % over it, for rounding), read
+from the block's norm weights inside the compiled block: no reduction over Q or K. V has no such bound: its scale is
+each call's absmax. A block whose norm weights cannot be read takes each call's absmax for Q and K too (the Compile
+node says so). Values are clamped to FP8's range before the cast.
 """
 from __future__ import annotations
 

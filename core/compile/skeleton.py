@@ -58,7 +58,7 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, type):
             origin = fp8_class_origin(obj)
             if origin is not None:
-                return rebuild_fp8_class, origin
+                return rebuild_fp8_class, (origin,)
         if isinstance(obj, types.MethodType) and not hasattr(obj.__func__, "__name__"):
             # a callable object bound to a module (torchao sets extra_repr so on the Linears it quantizes): pickled as
             # the pair, where pickle's default looks the method up by a name it does not have

@@ -159,19 +159,6 @@ def rms_norm_weight(norm) -> torch.Tensor | Unavailable:
 COMFY_COMPILE_KEY = "torch.compile"  # comfy_api.torch_helpers.torch_compile.COMPILE_KEY
 
 
-def compile_wrapper_keys(fn) -> list[str] | Unavailable:
-    """The module keys a wrapper of ComfyUI's set_torch_compile_wrapper compiles (its closure holds a dict of
-    key -> compiled module; no public accessor)."""
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if isinstance(value, dict) and value and all(callable(v) for v in value.values()):
-            return list(value)
-    return _missing("the compiled-module dict in set_torch_compile_wrapper's closure")
-
-
 def swap_in_wrapper(modules: dict):
     """An APPLY_MODEL wrapper that sets BaseModel attributes (e.g. diffusion_model) to `modules` for one call and
     restores them in `finally`: ComfyUI's own apply_torch_compile_factory, or the same few lines where it is missing."""

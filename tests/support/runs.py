@@ -94,7 +94,7 @@ logging.basicConfig(level=logging.INFO)
 from tools import host; host.import_comfy()
 from torch._dynamo.utils import counters
 from fluxaccel.core.compile.config import CompileConfig
-from fluxaccel.core.compile.compiled import CompiledFlux
+from fluxaccel.core.compile.compiled import CompiledFlux, Setup
 from support.models import build_flux
 m = build_flux("tiny")
 dm = m.model.diffusion_model

@@ -5,8 +5,6 @@ call run without a graph, the graph count bounded; and the compiled FLUX model t
 CUDA graphs need a GPU: here a capture stand-in records the call and replays it into the same output memory, as a
 graph does (reads its static inputs, overwrites its output), so what FluxAccel's own code does around the graph is
 checked on the CPU; the capture itself runs in the GPU runs (bench/probes/graph_capture.py, bench/device.sh)."""
-import dataclasses
-
 import pytest
 import torch
 
@@ -166,15 +164,14 @@ def test_graph_count_bounded(caplog):
 # -- the compiled FLUX model with its calls captured ----------------------------------------------------------------
 @pytest.mark.fresh_compile
 def test_compiled_flux_blocks_compiled_on_their_own_and_calls_captured(fresh_dynamo):
-    """graph_capture "call": each kind of block compiled on its own through the block table (the C++ wrapper, as on a
-    GPU), FluxAccel's single-block forward kept, the model around the blocks uncompiled and each call captured (the
-    stand-in here): a sampling run equals the uncompiled model's (float32: the C++ wrapper's CPU GEMM call refuses
-    bf16), the second run replays every call, two dynamo graphs (one per block kind), each saved as a warm-start
-    package; a new CompiledFlux (what a restarted ComfyUI builds) loads both and traces nothing, with the same output."""
+    """Each kind of block compiled on its own through the block table (the C++ wrapper, as on a GPU), FluxAccel's
+    single-block forward kept, the model around the blocks uncompiled and each call captured (the stand-in here): a
+    sampling run equals the uncompiled model's (float32: the C++ wrapper's CPU GEMM call refuses bf16), the second run
+    replays every call, two dynamo graphs (one per block kind), each saved as a warm-start package; a new CompiledFlux
+    (what a restarted ComfyUI builds) loads both and traces nothing, with the same output."""
     import comfy.model_management as mm
 
-    from fluxaccel.core.compile import block_regions
-    from fluxaccel.core.compile.compiled import CompiledFlux
+    from fluxaccel.core.compile.compiled import CompiledFlux, Setup
     from fluxaccel.core.compile.config import CompileConfig
     from fluxaccel.core.compile.patch import _install, remove_compile
     from fluxaccel.core.compile.progress import CompileWatch
@@ -182,26 +179,25 @@ def test_compiled_flux_blocks_compiled_on_their_own_and_calls_captured(fresh_dyn
     from support.runs import sample
 
     model = build_flux(dtype=torch.float32)
-    # compiled in this process (the C++ wrapper patched in below; test_separate.py has the separate process)
+    # compiled in this process (test_separate.py has the separate process)
     cfg = CompileConfig(separate_process=False)
-    gpu = cfg.inductor_options(torch.device("cuda"))
-    assert not cfg.nested_regions and gpu["cpp_wrapper"] is True and gpu["triton.cudagraphs"] is False
+    gpu = cfg.inductor_options(capture=True)
+    assert gpu["cpp_wrapper"] is True and gpu["triton.cudagraphs"] is False
     assert gpu["cpp.vec_isa_ok"] is False  # the GPU wrapper's CPU ISA is not checked (config.py)
     mm.load_models_gpu([model])
     dm = model.model.diffusion_model
 
     def compiled_flux():
-        # the CPU's options with the C++ wrapper the GPU's carry (graphs, and so the wrapper, are CUDA-only options)
+        # the C++ wrapper a captured call's blocks compile with, with the CPU's vector ISA (its kernels are CPU ones)
         with pytest.MonkeyPatch.context() as monkey:
             monkey.setattr(CompileConfig, "inductor_options",
-                           lambda self, device: {"cpp_wrapper": True, "emulate_precision_casts": True})
-            c = CompiledFlux(dm, cfg, torch.device("cpu"))
+                           lambda self, capture: {"cpp_wrapper": True, "emulate_precision_casts": True})
+            c = CompiledFlux(dm, cfg, Setup(torch.device("cpu"), "test-call-graphs"))
         c.runner.call_graphs = CallGraphs(capture=cpu_capture)
         return c, _install(model.clone(), c)[0]
 
     compiled, clone = compiled_flux()
-    assert compiled.runner.compiled is dm and compiled.runner.packages is None and compiled.separate is None
-    assert compiled.regions._double is not block_regions._double  # compiled on its own, not a nested region
+    assert compiled.separate is None
     ref = sample(remove_compile(clone), steps=3)
     first = sample(clone, steps=3)
     again = sample(clone, steps=3)
@@ -209,7 +205,7 @@ def test_compiled_flux_blocks_compiled_on_their_own_and_calls_captured(fresh_dyn
     assert rel_err(first, ref) < 1e-4 and torch.equal(again, first)
     assert (cg.captures, cg.uncaptured, cg.replays) == (1, 1, 5)
     assert fresh_dynamo["stats"]["unique_graphs"] == 2
-    assert compiled.stats.calls == 6 and compiled.stats.marks == 0 and compiled.graphs_running is False  # CPU
+    assert compiled.stats.calls == 6 and compiled.graphs_running  # the stand-in captured every call
     assert list(compiled.stats.warm_start.values()) == ["saved"]
     assert len(compiled.packages.store.signatures()) == 2  # one package per block kind
     restarted, clone2 = compiled_flux()
@@ -222,106 +218,45 @@ def test_compiled_flux_blocks_compiled_on_their_own_and_calls_captured(fresh_dyn
     assert len(marked) == 2 and all("latent" in m for m in marked)
 
 
-def test_graph_capture_call_or_graphs_off_said(monkeypatch):
-    """graph_capture "call" runs where a C++ compiler is found, under any allocator; where it cannot, and where
-    inductor's graphs cannot run (cudaMallocAsync), graphs are off and the reason names the setting."""
+def test_calls_are_captured_on_a_gpu_with_a_cpp_compiler_and_otherwise_said(monkeypatch):
+    """FluxAccel captures calls on a CUDA device where inductor's C++ wrapper can be built (any allocator); elsewhere
+    the reason names what is missing, and the node's text says it."""
     from fluxaccel.core.compile import patch
     from fluxaccel.core.compile.config import CompileConfig
     from fluxaccel.core.upstream import torch_internals
 
     cuda = torch.device("cuda")
-    monkeypatch.setattr(patch, "cuda_graph_blockers", lambda device: ["cudaMallocAsync here"])
-    cfg, off = patch._graphs_under(CompileConfig(separate_process=False), cuda, "node")
-    assert cfg.captured and not off
-    assert "each model call captured whole" in cfg.summary() and "each kind of block, compiled" in cfg.summary()
-    cfg, off = patch._graphs_under(CompileConfig(separate_process=False), cuda, "node")
-    assert not cfg.cuda_graphs and "cudaMallocAsync here" in off and "graph_capture to 'call'" in off
-    monkeypatch.setattr(torch_internals, "cpp_compiler", lambda: "")
-    cfg, off = patch._graphs_under(CompileConfig(separate_process=False), cuda, "node")
-    assert not cfg.cuda_graphs and "graph_capture 'call' cannot run here" in off and "no C++ compiler" in off
-    monkeypatch.setattr(patch, "cuda_graph_blockers", lambda device: [])
-    inductor = CompileConfig(separate_process=False)
-    assert patch._graphs_under(inductor, cuda, "node") == (inductor, "")
-    assert patch._graphs_under(CompileConfig(separate_process=False), torch.device("cpu"), "node")[1] == ""
-
-
-def test_graph_capture_auto_is_call_where_it_can_run(monkeypatch):
-    """graph_capture "auto" (the default): "call" on a CUDA device with graphs and block_regions on and a C++ compiler;
-    "inductor" on the CPU, with graphs or block_regions off, and where no C++ compiler is found -- then under
-    cudaMallocAsync graphs are off and the reason names both."""
-    from fluxaccel.core.compile import patch
-    from fluxaccel.core.compile.config import CompileConfig
-    from fluxaccel.core.upstream import torch_internals
-
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert CompileConfig(separate_process=False).graph_capture == "auto" and not CompileConfig(separate_process=False).captured
     monkeypatch.setattr(torch_internals, "cpp_compiler", lambda: "/usr/bin/g++")
-    monkeypatch.setattr(patch, "cuda_graph_blockers", lambda device: ["cudaMallocAsync here"])
-    cfg, off = patch._graphs_under(CompileConfig(separate_process=False), cuda, "node")
-    assert cfg.graph_capture == "call" and cfg.captured and off == ""
-    assert patch.resolve_capture(CompileConfig(separate_process=False), cpu) == (CompileConfig(separate_process=False), "")
-    assert patch.resolve_capture(CompileConfig(separate_process=False), cuda)[0].graph_capture == "inductor"
-    assert patch.resolve_capture(CompileConfig(separate_process=False), cuda)[0].graph_capture == "inductor"
-    assert patch.resolve_capture(CompileConfig(separate_process=False), cuda)[0].graph_capture == "inductor"
+    assert patch.capture_unavailable(cuda) == ""
+    assert "each model call captured into a CUDA graph" in CompileConfig().summary("")
     monkeypatch.setattr(torch_internals, "cpp_compiler", lambda: "")
-    cfg, why = patch.resolve_capture(CompileConfig(separate_process=False), cuda)
-    assert cfg.graph_capture == "inductor" and "graph_capture 'call' cannot run here" in why and "C++ compiler" in why
-    cfg, off = patch._graphs_under(CompileConfig(separate_process=False), cuda, "node")
-    assert not cfg.cuda_graphs and "cudaMallocAsync here" in off and "graph_capture 'call' cannot run here" in off
-    monkeypatch.setattr(patch, "cuda_graph_blockers", lambda device: [])
-    assert patch._graphs_under(CompileConfig(separate_process=False), cuda, "node") == (CompileConfig(separate_process=False), "")
+    why = patch.capture_unavailable(cuda)
+    assert "no C++ compiler" in why and "install g++" in why
+    assert f"no CUDA graphs: {why}" in CompileConfig().summary(why)
+    assert "CUDA graphs need a CUDA GPU; this model runs on cpu" == patch.capture_unavailable(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("arch", ["flux2", "chroma"])
-def test_call_mode_compiles_flux2_and_chroma_blocks_on_their_own(arch, fresh_dynamo):
-    """graph_capture "call" (what "auto" is on a GPU) for FLUX.2 and Chroma: each block kind compiled on its own, the
-    model around them uncompiled; the output equals eager's (float32, the CPU: no capture here)."""
-    from fluxaccel.core.compile.config import CompileConfig
-    from fluxaccel.core.compile.patch import apply_compile
-    from support.models import build_flux
-    from support.runs import denoise_once
-    from support.shapes import TINY_CHROMA, TINY_FLUX2
-
-    shape = {"flux2": TINY_FLUX2, "chroma": TINY_CHROMA}[arch]
-    model = build_flux({**shape, "depth": 2, "depth_single_blocks": 3}, dtype=torch.float32)
-    hw = 8 if arch == "flux2" else 16
-    ref = denoise_once(model, hw=hw)
-    compiled_model, compiled = apply_compile(model, CompileConfig(persistent_cache=False, separate_process=False))
-    assert compiled.cfg.captured and compiled.runner.compiled is compiled.runner.dm
-    assert rel_err(denoise_once(compiled_model, hw=hw), ref) < 1e-4
-    assert fresh_dynamo["stats"]["unique_graphs"] == 2  # one per block kind
-
-
-def test_config_refuses_what_call_capture_cannot_do():
-    from fluxaccel.core.compile.config import CompileConfig
-    from fluxaccel.core.errors import FluxAccelError
-
-    with pytest.raises(FluxAccelError, match="graph_capture must be one of"):
-        CompileConfig(separate_process=False)
-    with pytest.raises(FluxAccelError, match="graph_capture 'call' compiles each kind.*turn block_regions on"):
-        CompileConfig(separate_process=False)
-    assert CompileConfig(separate_process=False).nested_regions is False
-    assert CompileConfig(separate_process=False).nested_regions is True
-    assert dataclasses.replace(CompileConfig(separate_process=False), graph_capture="call").captured
-
-
-def test_call_mode_through_apply_compile_and_warmup(tiny_flux, fresh_dynamo):
-    """graph_capture "call" as the Compile node sets it, on ComfyUI's real objects (CPU: blocks compiled on their own,
-    no capture): the denoiser as eager's, Warmup compiles both block kinds before the first prompt and the prompts
-    after compile nothing, the label carries no '+regions' (no nested regions), the stats name the mode."""
+def test_through_apply_compile_and_warmup(tiny_flux, fresh_dynamo):
+    """As the Compile node sets it up, on ComfyUI's real objects (CPU: blocks compiled on their own, no capture): the
+    denoiser as eager's, Warmup compiles both block kinds before the first prompt and the prompts after compile
+    nothing; the text, the label and the stats say that no CUDA graph runs here, and why."""
     import comfy.sample
 
     from fluxaccel.core.bench.metrics import rel_err
     from fluxaccel.core.compile.config import CompileConfig
-    from fluxaccel.core.compile.patch import apply_compile, compiled_of
+    from fluxaccel.core.compile.patch import apply_compile
     from fluxaccel.core.compile.warmup import warmup
     from fluxaccel.core.patches import describe, label
+    from fluxaccel.nodes.events import compiled_state
     from support.models import synthetic_conditioning
     from support.runs import denoise_once
 
     ref = denoise_once(tiny_flux, hw=16)
     clone, compiled = apply_compile(tiny_flux, CompileConfig(separate_process=False))
-    assert compiled.runner.compiled is compiled._dm and compiled.runner.call_graphs is None  # CPU: nothing to capture
+    assert compiled.runner.call_graphs is None  # CPU: nothing to capture
+    state = compiled_state(compiled)
+    assert state["graphs"] is False and "no CUDA graphs: CUDA graphs need a CUDA GPU" in state["text"]
+    assert state["graphs_off"] in state["text"] and "captured into a CUDA graph" not in state["text"]
     assert rel_err(denoise_once(clone, hw=16), ref) < 2e-2
     assert fresh_dynamo["stats"]["unique_graphs"] == 2
     model, secs = warmup(clone, [(128, 128)], text_length=16, steps=2)
@@ -331,5 +266,4 @@ def test_call_mode_through_apply_compile_and_warmup(tiny_flux, fresh_dynamo):
     comfy.sample.sample(model, comfy.sample.prepare_noise(latent, 7), 3, 1.0, "euler", "simple", pos, pos, latent,
                         disable_pbar=True, seed=7)
     assert fresh_dynamo["stats"]["unique_graphs"] == 2
-    assert label(model).endswith("+compile") and describe(model)["compile"]["graph_capture"] == "call"
-    assert compiled_of(model).cfg.captured
+    assert label(model).endswith("+compile") and "CUDA GPU" in describe(model)["compile"]["graphs_off_reason"]

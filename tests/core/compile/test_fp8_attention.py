@@ -1,6 +1,6 @@
 """core/compile/fp8_attention.py: FP8 attention through FlashAttention-3's FP8 operator (a CPU stand-in here, the
 wheel runs on Hopper GPUs only): its numbers against SDPA, the QK-norm bound against real ComfyUI FLUX blocks, the
-block regions handing each block's bound to the kernel inside the compiled graph, and the refusals."""
+compiled blocks handing each block's bound to the kernel, and the refusals."""
 import math
 
 import pytest
@@ -106,9 +106,9 @@ def test_no_bound_where_comfyui_patches_the_norm_per_call(tiny_flux):
         block.norm.query_norm.weight_function = []
 
 
-def test_compiled_regions_hand_each_block_its_bound(tiny_flux, fa3, monkeypatch):
-    """Inside FluxAccel's compiled graph (block regions on) every attention call runs the FP8 kernel with Q/K
-    scales from its block's QK-norm weights; the output stays within FP8 rounding of the cuDNN-first graph."""
+def test_compiled_blocks_hand_each_block_its_bound(tiny_flux, fa3, monkeypatch):
+    """Inside FluxAccel's compiled blocks every attention call runs the FP8 kernel with Q/K scales from its block's
+    QK-norm weights; the output stays within FP8 rounding of the cuDNN-first graph."""
     monkeypatch.setattr(fa, "why_not", lambda device: None)  # the CPU stand-in runs where the kernel cannot
     dm = tiny_flux.model.diffusion_model
     bounds = {tuple(fa.qk_scales(b).tolist()) for b in (*dm.double_blocks, *dm.single_blocks)}
@@ -121,12 +121,12 @@ def test_compiled_regions_hand_each_block_its_bound(tiny_flux, fa3, monkeypatch)
     assert len(fa3) == 2 * (len(dm.double_blocks) + len(dm.single_blocks))
     seen = {(float(c["q_descale"][0, 0]), float(c["k_descale"][0, 0])) for c in fa3}
     assert {tuple(round(x, 6) for x in s) for s in seen} == {tuple(round(x, 6) for x in b) for b in bounds}
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1  # one graph, no recompile on the second call
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2  # one per block kind, no recompile on the second call
     assert 1e-4 < rel_err(out, ref) < 0.1
-    assert "FP8 attention (FlashAttention-3), Q/K scales from the QK-norm bound" in compiled.cfg.summary()
+    assert "FP8 attention (FlashAttention-3)" in compiled.cfg.summary("")
     from fluxaccel.core.patches import describe, label
 
-    assert label(model).endswith("+regions+fp8-attention") and describe(model)["compile"]["attention"] == "fp8"
+    assert label(model).endswith("+compile+fp8-attention") and describe(model)["compile"]["attention"] == "fp8"
 
 
 def test_a_block_whose_qk_norm_weight_cannot_be_read_takes_each_calls_absmax_and_it_is_said(tiny_flux, fa3,
@@ -158,16 +158,6 @@ def test_a_block_whose_qk_norm_weight_cannot_be_read_takes_each_calls_absmax_and
     assert "FP8 attention's Q/K scales: 1 of 4 blocks" in caplog.text
 
 
-def test_without_block_regions_qk_scales_are_per_call(tiny_flux, fa3, monkeypatch):
-    monkeypatch.setattr(fa, "why_not", lambda device: None)
-    model, compiled = apply_compile(tiny_flux, CompileConfig(persistent_cache=False, attention="fp8", separate_process=False))
-    denoise_once(model)
-    dm = tiny_flux.model.diffusion_model
-    bounds = {round(float(fa.qk_scales(b)[0]), 6) for b in (*dm.double_blocks, *dm.single_blocks)}
-    assert fa3 and not {round(float(c["q_descale"][0, 0]), 6) for c in fa3} & bounds  # each call's absmax instead
-    assert "Q/K scales per call (block_regions off)" in compiled.cfg.summary()
-
-
 def test_refused_where_it_cannot_run(tiny_flux):
     with pytest.raises(FluxAccelError, match=r"attention 'fp8' cannot run here: .*cpu.*Set attention to 'cudnn'"):
         apply_compile(tiny_flux, CompileConfig(attention="fp8", separate_process=False))
@@ -176,8 +166,8 @@ def test_refused_where_it_cannot_run(tiny_flux):
 
 def test_a_mask_is_refused_with_fp8_attention():
     with pytest.raises(FluxAccelError, match="attention 'fp8' .* takes no attention mask"):
-        refuse_unsupported(None, {}, {"attention_mask": torch.ones(1, 4)}, None, "fp8")
-    refuse_unsupported(None, {}, {"attention_mask": torch.ones(1, 4)}, None, "cudnn")
+        refuse_unsupported(None, {}, {"attention_mask": torch.ones(1, 4)}, "fp8")
+    refuse_unsupported(None, {}, {"attention_mask": torch.ones(1, 4)}, "cudnn")
 
 
 def test_another_nodes_attention_override_is_refused_with_fp8_attention():
@@ -185,9 +175,9 @@ def test_another_nodes_attention_override_is_refused_with_fp8_attention():
         return func(*args, **kwargs)
 
     with pytest.raises(FluxAccelError, match=r"attention 'fp8' and an attention override another node set \(theirs\)"):
-        refuse_unsupported(None, {"optimized_attention_override": theirs}, {}, None, "fp8")
-    refuse_unsupported(None, {"optimized_attention_override": theirs}, {}, None, "cudnn")  # theirs runs, as before
-    refuse_unsupported(None, {"optimized_attention_override": fa.sdpa_fp8}, {}, None, "fp8")  # FluxAccel's own
+        refuse_unsupported(None, {"optimized_attention_override": theirs}, {}, "fp8")
+    refuse_unsupported(None, {"optimized_attention_override": theirs}, {}, "cudnn")  # theirs runs, as before
+    refuse_unsupported(None, {"optimized_attention_override": fa.sdpa_fp8}, {}, "fp8")  # FluxAccel's own
 
 
 def test_config_names_the_setting():

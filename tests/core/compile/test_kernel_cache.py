@@ -1,5 +1,5 @@
-"""core/compile_cache.py: a fresh process reuses the saved artifacts; foreign/corrupt files are ignored (warm-start
-packages off: tests/core/test_warm_start.py has those).
+"""core/compile/kernel_cache.py: a fresh process reuses the saved artifacts; foreign/corrupt files are ignored
+(test_warm_start.py has the warm-start packages).
 
 Each run is a new Python process with its own empty TORCHINDUCTOR_CACHE_DIR, so a cache hit can only come from
 FluxAccel's file."""
@@ -15,8 +15,10 @@ from conftest import ROOT
 from support.runs import NEW_PROCESS_PRELUDE
 
 SCRIPT = NEW_PROCESS_PRELUDE + textwrap.dedent(r"""
+    from fluxaccel.core.compile import warm_start
+    warm_start.available = lambda: (False, "this test checks the kernel cache alone")
     with torch.inference_mode():
-        c = CompiledFlux(dm, CompileConfig(separate_process=False), torch.device("cpu"))
+        c = CompiledFlux(dm, CompileConfig(separate_process=False), Setup(torch.device("cpu"), "kernel-cache-test"))
         out = c(x, t, context=ctx, y=y, guidance=gd)
         ref = dm(x, t, context=ctx, y=y, guidance=gd)
     from fluxaccel.core.bench.metrics import rel_err
@@ -78,7 +80,7 @@ def test_clear_removes_only_our_files(tmp_path):
     (tmp_path / "notes.compile1.log").write_text("someone else's")
     from fluxaccel.core.compile.warm_start import WarmStart
 
-    WarmStart("a" * 32, tmp_path).save_blocks("0" * 16, ["1" * 16, "2" * 16])  # graph_capture "call": a block index
+    WarmStart("a" * 32, tmp_path).save_blocks("0" * 16, ["1" * 16, "2" * 16])  # a block index
     (tmp_path / "other.blocks").write_text("[1, 2]")
     assert clear(tmp_path) == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin", "c.txt", "fp8-weights", "notes.compile1.log",
@@ -156,11 +158,13 @@ def test_cache_key_does_not_depend_on_which_clone_is_loaded(cpu_fp8, tiny_flux):
 def test_a_restart_that_meets_fewer_shapes_keeps_the_others(tiny_flux, tmp_path, monkeypatch):
     """One compiled model meets two shapes and saves its file; a new one with the same key (a restarted ComfyUI)
     loads the file, compiles only the first shape and saves again: the file still holds both shapes' artifacts."""
+    from fluxaccel.core.compile import warm_start
     from fluxaccel.core.compile.config import CompileConfig
-    from fluxaccel.core.compile.compiled import CompiledFlux
+    from fluxaccel.core.compile.compiled import CompiledFlux, Setup
     from support.runs import flux_inputs
 
     monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(warm_start, "available", lambda: (False, "this test checks the kernel cache alone"))
     dm = tiny_flux.model.diffusion_model
     cfg = CompileConfig(resolution_policy="recompile", separate_process=False)
 
@@ -169,11 +173,11 @@ def test_a_restart_that_meets_fewer_shapes_keeps_the_others(tiny_flux, tmp_path,
         c(x, t, context=ctx, y=y, guidance=guidance)
 
     torch._dynamo.reset()
-    first = CompiledFlux(dm, cfg, torch.device("cpu"))
+    first = CompiledFlux(dm, cfg, Setup(torch.device("cpu"), "kernel-cache-restart"))
     run(first, 16), run(first, 24)
     both = _artifact_keys(first.cache.path)
     torch._dynamo.reset()
-    again = CompiledFlux(dm, cfg, torch.device("cpu"))
+    again = CompiledFlux(dm, cfg, Setup(torch.device("cpu"), "kernel-cache-restart"))
     assert again.stats.cache_loaded and again.cache.path == first.cache.path
     written = again.cache.path.stat().st_mtime_ns
     run(again, 16)

@@ -5,7 +5,7 @@ import torch
 
 from fluxaccel.core.compile.config import CompileConfig
 
-from fluxaccel.core.compile.compiled import CompiledFlux
+from fluxaccel.core.compile.compiled import CompiledFlux, Setup
 from fluxaccel.core.compile.progress import FIRST_RUN, PHASES, phase
 from support.runs import flux_inputs
 
@@ -29,11 +29,14 @@ def test_a_process_that_never_compiled_reads_its_first_phase(monkeypatch):
     assert phase(counts, counts) == "tracing the model (dynamo)"
 
 
-def test_a_real_compile_reports_its_phases_until_ready(tiny_flux):
+def test_a_real_compile_reports_its_phases_until_ready(tiny_flux, tmp_path, monkeypatch):
     """Reports every second from a watcher thread while the sampler's thread compiles; a report that raises (an editor
-    that went away) stops neither the reports nor the compile."""
+    that went away) stops neither the reports nor the compile. (An inductor cache of its own: a compile that found
+    its kernels in an earlier test's cache would be over before a second report.)"""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch._dynamo.reset()
     dm = tiny_flux.model.diffusion_model
-    c = CompiledFlux(dm, CompileConfig(persistent_cache=False, separate_process=False), torch.device("cpu"))
+    c = CompiledFlux(dm, CompileConfig(persistent_cache=False, separate_process=False), Setup(torch.device("cpu"), "t"))
     seen = []
 
     def report(text, seconds):

@@ -1,5 +1,8 @@
-"""core/compile/runner.py: a CUDA-graph step marked before every call, the output copied out of graph memory, and a
-graph break refused as an error that says where (fullgraph)."""
+"""core/compile/runner.py: the compiled call -- the block table's shape and package-load marker set for each call, the
+call's compiles run under FluxAccel's settings (reduction limits), a graph break refused as an error that says
+where (fullgraph)."""
+import contextlib
+
 import pytest
 import torch
 
@@ -11,45 +14,47 @@ from fluxaccel.core.errors import FluxAccelError
 KEY = ShapeKey(1, 2, 2, 0, "float32")
 
 
-class Breaks(torch.nn.Module):
+class Table:
+    """Stands in for blocks.BlockTable: no blocks to replace; records what the runner sets on it."""
+
+    shape = loading = None
+
+    def transformer_options(self) -> dict:
+        return {}
+
+
+class Compiled(torch.nn.Module):
+    """A model whose work is one torch.compile'd function, as a FLUX model's blocks are through the block table."""
+
+    def __init__(self, fn, options=None):
+        super().__init__()
+        self.fn = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True, options=options or {})
+
     def forward(self, x, timestep, context=None, transformer_options={}, **kwargs):
-        y = x * 2
-        torch._dynamo.graph_break()
-        return y + 1
+        return self.fn(x, timestep)
 
 
-class Whole(torch.nn.Module):
-    def forward(self, x, timestep, context=None, transformer_options={}, **kwargs):
-        return x * 2 + timestep
+def _twice(x, t):
+    return x * 2 + t
 
 
-def test_graph_step_marked_per_call_and_output_copied(monkeypatch):
-    marks = []
-    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
-    held = torch.ones(2)
-    r = Runner(Whole(), {}, graphs=True)
-    r.compiled = lambda *a, **k: held  # what a graph replay returns: memory the next replay overwrites
-    outs = [r(KEY, torch.ones(2), torch.zeros(1), None, {}, {}) for _ in range(3)]
-    assert len(marks) == 3 and all(o is not held and torch.equal(o, held) for o in outs)
+def _breaks(x, t):
+    y = x * 2
+    torch._dynamo.graph_break()
+    return y + 1
 
 
-def test_without_graphs_no_mark_and_no_copy(monkeypatch):
-    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: pytest.fail("marked without graphs"))
-    held = torch.ones(2)
-    r = Runner(Whole(), {}, graphs=False)
-    r.compiled = lambda *a, **k: held
-    assert r(KEY, torch.ones(2), torch.zeros(1), None, {}, {}) is held
-
-
-def test_compiled_call_equals_eager():
+def test_compiled_call_equals_eager_and_tells_the_table_its_shape():
     x, t = torch.randn(3, 4), torch.tensor(0.5)
-    out = Runner(Whole(), {}, graphs=False)(KEY, x, t, None, {}, {})
-    assert torch.equal(out, Whole()(x, t))
+    table = Table()
+    out = Runner(Compiled(_twice), table)(KEY, x, t, None, {}, {}, loading=contextlib.nullcontext)
+    assert torch.equal(out, _twice(x, t)) and table.shape == KEY and table.loading is contextlib.nullcontext
 
 
 def test_a_graph_break_is_an_error_naming_where_and_the_versions():
-    with pytest.raises(FluxAccelError, match=r"cannot trace it in one piece: .*test_runner\.py:\d+ in forward.*ComfyUI .*torch "):
-        Runner(Breaks(), {}, graphs=False)(KEY, torch.ones(2), torch.zeros(1), None, {}, {})
+    with pytest.raises(FluxAccelError, match=r"each kind of FLUX block as one graph, and torch.compile cannot trace it "
+                                             r"in one piece: .*test_runner\.py:\d+ in _breaks.*ComfyUI .*torch "):
+        Runner(Compiled(_breaks), Table())(KEY, torch.ones(2), torch.zeros(1), None, {}, {})
 
 
 def test_graph_break_type_missing_lets_torchs_own_error_through(monkeypatch):
@@ -57,13 +62,12 @@ def test_graph_break_type_missing_lets_torchs_own_error_through(monkeypatch):
 
     monkeypatch.setattr(runner_mod.torch_internals, "graph_break_error", lambda: Unavailable("torch", "x", "Unsupported"))
     with pytest.raises(Exception) as e:
-        Runner(Breaks(), {}, graphs=False)(KEY, torch.ones(2), torch.zeros(1), None, {}, {})
+        Runner(Compiled(_breaks), Table())(KEY, torch.ones(2), torch.zeros(1), None, {}, {})
     assert not isinstance(e.value, FluxAccelError)
 
 
-class Norm(torch.nn.Module):
-    def forward(self, x, timestep, context=None, transformer_options={}, **kwargs):
-        return torch.nn.functional.layer_norm(x, (x.shape[-1],)) * timestep
+def _norm(x, t):
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],)) * t
 
 
 def test_the_call_lowers_under_fluxaccels_reduction_limits(tmp_path, monkeypatch):
@@ -80,12 +84,12 @@ def test_the_call_lowers_under_fluxaccels_reduction_limits(tmp_path, monkeypatch
     def compile_plain():
         torch._dynamo.reset()
         before = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
-        torch.compile(Norm(), backend="inductor", dynamic=False, fullgraph=True, options=opts)(x, t)
+        torch.compile(_norm, backend="inductor", dynamic=False, fullgraph=True, options=opts)(x, t)
         after = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
         return after[0] - before[0], after[1] - before[1]
 
     torch._dynamo.reset()
-    Runner(Norm(), opts, graphs=False)(KEY, x, t, None, {}, {})
+    Runner(Compiled(_norm, opts), Table())(KEY, x, t, None, {}, {})
     with reductions.persistent():
         assert compile_plain() == (1, 0)
     assert compile_plain() == (0, 1)

@@ -30,44 +30,14 @@ def _uncompiled(model):
 
 
 @pytest.mark.fresh_compile
-def test_first_call_runs_uncompiled_then_the_separate_package_is_loaded(fp8_model, tmp_path, monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="fluxaccel")
-    clear_compile_counters()
-    model, compiled = apply_compile(fp8_model, CompileConfig(separate_process=True))
-    first = denoise_once(model)
-    assert torch.equal(first, _uncompiled(model))  # the uncompiled model's output, bit for bit
-    assert compiled.stats.eager_calls == 1 and compiled.stats.uncompiled_while_compiling == 1
-    assert compiled_graphs() == 0 and not compiled.stats.compile_seconds  # nothing compiled in this process
-    (said,) = describe(model)["compile"]["separate_process"].values()
-    assert said.startswith("compiling in a separate process (pid")
+def test_blocks_compile_in_a_separate_process_while_the_model_runs_uncompiled(fp8_model, tmp_path, monkeypatch,
+                                                                              caplog):
+    """The separate process runs the model's call once, compiling each block kind into its package, and writes the
+    call's index of them; this process runs uncompiled meanwhile (counted: stats, badge), Warmup's and the
+    Benchmark's calls wait for it, then both packages load (nothing traced here); a restart finds the index and loads
+    them at its first call, with no process started."""
     from fluxaccel.nodes.events import compiled_state
 
-    badge = compiled_state(compiled)
-    assert badge["compiling"] == [job_key(compiled).describe()] and badge["uncompiled_calls"] == 1
-    # Warmup's and the Benchmark's calls wait for the process instead of compiling the shape a second time
-    progress = []
-    compiled.on_progress = lambda text, seconds: progress.append(text)
-    with compiled.compiling_here():
-        second = denoise_once(model)
-    (job,) = compiled.separate.jobs.values()
-    assert job.state == "ready" and progress and progress[0].startswith("waiting for the separate-process compile")
-    assert compiled_graphs() == 1 and compiled.stats.warm_start == {job_key(compiled): "loaded"}  # loaded, not traced
-    assert compiled.stats.eager_calls == 1 and compiled.stats.calls == 1
-    assert "compiled in a separate process in" in compiled.stats.separate[job_key(compiled)]
-    assert "1 model call(s) ran uncompiled meanwhile" in caplog.text
-    assert compiled_state(compiled)["compiling"] == []
-    # the same graph as a compile in this process (its own cache folder: nothing to load there)
-    monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path / "in-process"))
-    here, c2 = apply_compile(fp8_model, CompileConfig(separate_process=False))
-    assert torch.equal(second, denoise_once(here)) and c2.stats.warm_start[job_key(c2)] == "saved"
-    assert rel_err(second, first) < 2e-2
-
-
-@pytest.mark.fresh_compile
-def test_graph_capture_call_compiles_its_blocks_in_a_separate_process(fp8_model, tmp_path, monkeypatch, caplog):
-    """graph_capture "call": the separate process runs the model's call once, compiling each block kind into its
-    package, and writes the call's index of them; this process runs uncompiled meanwhile, then loads both packages
-    (nothing traced here); a restart finds the index and loads them at its first call, with no process started."""
     caplog.set_level(logging.INFO, logger="fluxaccel")
     monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path / "cache"))
     clear_compile_counters()
@@ -76,11 +46,22 @@ def test_graph_capture_call_compiles_its_blocks_in_a_separate_process(fp8_model,
     assert compiled.separate is not None and not compiled.stats.degradations
     first = denoise_once(model)
     assert torch.equal(first, _uncompiled(model)) and compiled.stats.uncompiled_while_compiling == 1
+    assert compiled_graphs() == 0 and not compiled.stats.compile_seconds  # nothing compiled in this process
+    (said,) = describe(model)["compile"]["separate_process"].values()
+    assert said.startswith("compiling in a separate process (pid")
+    badge = compiled_state(compiled)
+    assert badge["compiling"] == [job_key(compiled).describe()] and badge["uncompiled_calls"] == 1
+    progress = []
+    compiled.on_progress = lambda text, seconds: progress.append(text)
     with compiled.compiling_here():
         second = denoise_once(model)
     (job,) = compiled.separate.jobs.values()
     assert job.state == "ready", job.why
+    assert progress and progress[0].startswith("waiting for the separate-process compile")
     assert compiled_graphs() == 2 and list(compiled.stats.warm_start.values()) == ["loaded"]  # both kinds loaded
+    assert "compiled in a separate process in" in compiled.stats.separate[job_key(compiled)]
+    assert "1 model call(s) ran uncompiled meanwhile" in caplog.text and compiled_state(compiled)["compiling"] == []
+    assert rel_err(second, first) < 2e-2
     store = compiled.packages.store
     (index,) = store.dir.glob("*.blocks")
     assert len(store.signatures()) == 2 and store.blocks_on_disk(index.name[len(store.key) + 1:-len(".blocks")])
@@ -124,10 +105,15 @@ def test_without_comfyui_launch_flags_the_shape_compiles_here_and_says_why(fp8_m
     assert "compiles in this process, not in a separate one" in caplog.text
 
 
-def test_without_warm_start_packages_it_is_refused_at_once(fp8_model):
-    _, compiled = apply_compile(fp8_model, CompileConfig(separate_process=True, persistent_cache=False))
+def test_without_warm_start_packages_it_is_refused_at_once(fp8_model, monkeypatch):
+    """A torch that cannot save compiled blocks (no AOT compile): no package carries a separate compile back, so a
+    new shape compiles in its first call, and that is said."""
+    from fluxaccel.core.compile import warm_start
+
+    monkeypatch.setattr(warm_start, "available", lambda: (False, "torch 2.8 has no aot_compile"))
+    _, compiled = apply_compile(fp8_model, CompileConfig(separate_process=True))
     assert compiled.separate is None
-    assert any(d.what == "compile in a separate process" and "warm-start packages" in d.why
+    assert any(d.what == "compile in a separate process" and "torch 2.8 has no aot_compile" in d.why
                for d in compiled.stats.degradations)
 
 
@@ -137,7 +123,7 @@ def test_a_process_that_fails_is_said_with_its_log(fp8_model, tmp_path, monkeypa
     worker.write_text("import sys\nprint('no GPU left for me')\nsys.exit(3)\n")
     monkeypatch.setattr(separate, "WORKER", worker)
     model, compiled = apply_compile(fp8_model, CompileConfig(separate_process=True))
-    seps = separate.SeparateCompiles(WarmStart("k" * 32, tmp_path), compiled.cfg, torch.device("cpu"))
+    seps = separate.SeparateCompiles(WarmStart("k" * 32, tmp_path), compiled.cfg, torch.device("cpu"), {})
     x = torch.zeros(1, 16, 2, 2)
 
     class Key:

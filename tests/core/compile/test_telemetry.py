@@ -16,16 +16,15 @@ def _compiled(outcome=None, graphs=False, per_block=False):
     """A stand-in CompiledFlux; outcome: its warm-start package's (or, per_block, both block kinds' packages')."""
     from pathlib import Path
 
-    from fluxaccel.core.compile.block_regions import BlockCall
+    from fluxaccel.core.compile.blocks import BlockCall
     from fluxaccel.core.compile.warm_start import Packages, WarmStart
 
     packages = Packages(WarmStart("k" * 32, Path("unused")), {})
     for k in ((BlockCall(KEY, "double_block"), BlockCall(KEY, "single_block")) if per_block else (KEY,)):
         if outcome:
             packages.outcome[k], packages.load_seconds[k] = outcome, 0.5
-    c = SimpleNamespace(stats=CompileStats(), device=torch.device("cpu"), graphs=graphs, graphs_active=graphs,
-                        graphs_running=graphs, packages=packages,
-                        runner=SimpleNamespace(graphs=graphs, call_graphs=None))
+    c = SimpleNamespace(stats=CompileStats(), device=torch.device("cpu"), graphs_running=graphs, packages=packages,
+                        runner=SimpleNamespace(call_graphs=None))
     return c
 
 
@@ -44,14 +43,14 @@ def test_first_call_records_time_package_outcome_and_tells_the_editor():
 
 
 def test_per_block_packages_reported_for_their_shape():
-    """graph_capture "call": a shape's outcome is its block kinds' packages' (both loaded: "loaded", load times summed);
-    kinds that differ are each named."""
+    """A shape's outcome is its block kinds' packages' (both loaded: "loaded", load times summed); kinds that differ
+    are each named."""
     c = _compiled("loaded", per_block=True)
     t = tm.Telemetry(c)
     with t.first_call(KEY, {}, torch.zeros(1)):
         pass
     assert c.stats.warm_start[KEY] == "loaded" and c.stats.compile_phases[KEY]["warm_start_load"] == 1.0
-    from fluxaccel.core.compile.block_regions import BlockCall
+    from fluxaccel.core.compile.blocks import BlockCall
 
     c.packages.outcome[BlockCall(KEY, "single_block")] = "saved"
     outcome, _ = c.packages.outcome_of(KEY)
@@ -68,20 +67,10 @@ def test_a_failed_first_call_records_no_compile():
     assert KEY not in c.stats.compile_seconds
 
 
-def test_graph_skips_at_compile_are_a_lost_degradation(monkeypatch):
-    c = _compiled(graphs=True)
-    n = iter([0, 2])
-    monkeypatch.setattr(tm, "cudagraph_skips", lambda: next(n))
-    with tm.Telemetry(c).first_call(KEY, {}, torch.zeros(1)):
-        pass
-    (d,) = c.stats.degradations
-    assert c.stats.graph_skips == {KEY: 2} and d.kind == "lost" and "2 time(s)" in d.why and d.since
-
-
 def test_warm_call_timing_and_counts():
     c = _compiled()
     t = tm.Telemetry(c)
-    with t.warm_call(KEY, torch.zeros(1)):
+    with t.warm_call(torch.zeros(1)):
         pass
     t.count_call(False)
     assert len(c.stats.host_s) == 1 and c.stats.calls == 1 and c.stats.model_compiler_paused == 0

@@ -17,9 +17,9 @@ from support.runs import NEW_PROCESS_PRELUDE
 SCRIPT = NEW_PROCESS_PRELUDE + textwrap.dedent(r"""
     from fluxaccel.core.compile import warm_start
     with torch.inference_mode():
-        c = CompiledFlux(dm, CompileConfig(separate_process=False), torch.device("cpu"))
-        pending = dict(c.runner.packages.pending)
-        c.runner.packages.settle()  # a package on disk is loaded in the background, before the first call
+        c = CompiledFlux(dm, CompileConfig(separate_process=False), Setup(torch.device("cpu"), "warm-start-test"))
+        pending = dict(c.packages.pending)
+        c.packages.settle()  # a package on disk is loaded in the background, before the first call
         loaded_before_call = [sum(f.result() is not None for f in pending.values()), warm_start.counts["loaded"]]
         out = c(x, t, context=ctx, y=y, guidance=gd)
         again = c(x, t * 0.5, context=ctx, y=y, guidance=gd)
@@ -57,14 +57,14 @@ def test_two_workers_compile_at_once_then_a_third_starts_warm(tmp_path):
     a, b = _start(tmp_path, cache, 1, own_inductor_cache=False), _start(tmp_path, cache, 2, own_inductor_cache=False)
     (ra, _), (rb, _) = _result(a), _result(b)
     for r in (ra, rb):
-        assert r["warm_start"] == ["saved"] and r["traced_frames"] == 1, r
+        assert r["warm_start"] == ["saved"] and r["traced_frames"] == 2, r  # one trace per block kind
     files = list(cache.glob("*.warm"))
-    assert len(files) == 1 and not list(cache.glob("*.tmp*")), sorted(p.name for p in cache.iterdir())
+    assert len(files) == 2 and not list(cache.glob("*.tmp*")), sorted(p.name for p in cache.iterdir())
     rc, log = _result(_start(tmp_path, cache, 3))
     # the third loads it in the background when the compiled model is made (before its first call, which then counts
     # it as taken into use)
-    assert rc == {"warm_start": ["loaded"], "traced_frames": 0, "calls_captured": 0, "prefetched": [1, 1, 0]}, rc
-    assert "loading 1 warm-start package(s) in the background" in log and "loaded warm-start package" in log
+    assert rc == {"warm_start": ["loaded"], "traced_frames": 0, "calls_captured": 0, "prefetched": [2, 2, 0]}, rc
+    assert "loading 2 warm-start package(s) in the background" in log and "loaded warm-start package" in log
     first, warm = (torch.load(tmp_path / f"out{n}.pt") for n in (1, 3))
     for k in ("out", "again"):
         assert torch.equal(first[k], warm[k]), k
@@ -133,7 +133,7 @@ def test_background_load_waits_where_inductor_config_differs(tmp_path, caplog):
 
 
 def test_background_load_sets_the_wrappers_cpu_isa_for_its_own_duration(tmp_path, monkeypatch):
-    """graph_capture "call" packages (inductor's C++ wrapper for GPU code) load in the background with inductor's
+    """Packages of captured calls (inductor's C++ wrapper for GPU code) load in the background with inductor's
     cpp.vec_isa_ok set as their compile had it (no CPU vector-ISA check, which builds and loads test libraries in new
     processes), and only while the load runs: the process's config is as before afterwards."""
     import torch._inductor.config as ic
@@ -141,7 +141,7 @@ def test_background_load_sets_the_wrappers_cpu_isa_for_its_own_duration(tmp_path
     from fluxaccel.core.compile.config import CompileConfig
     from fluxaccel.core.compile.warm_start import Packages
 
-    options = CompileConfig(separate_process=False).inductor_options(torch.device("cuda"))
+    options = CompileConfig().inductor_options(capture=True)
     assert options["cpp_wrapper"] is True and options["cpp.vec_isa_ok"] is False
     seen = []
     monkeypatch.setattr(torch.compiler, "load_compiled_function",
@@ -156,9 +156,9 @@ def test_background_load_sets_the_wrappers_cpu_isa_for_its_own_duration(tmp_path
 
 
 def test_block_index_counts_only_where_every_package_it_names_is_there(tmp_path):
-    """graph_capture "call": a whole call's index of per-block packages stands for them only while each is on disk; a
+    """A whole call's index of per-block packages stands for them only while each is on disk; a
     damaged index or a missing package means the shape compiles again (no index: nothing is claimed)."""
-    from fluxaccel.core.compile.block_regions import BlockCall
+    from fluxaccel.core.compile.blocks import BlockCall
 
     w, path, head = _package(tmp_path)
     path.write_bytes(head + b"payload")

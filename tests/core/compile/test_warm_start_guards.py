@@ -65,11 +65,12 @@ def test_an_attention_function_that_may_differ_in_the_next_process_is_not_packag
         _sig(_call(options={OVERRIDE_KEY: closure}))
 
 
-def _key(model, cfg=CompileConfig(separate_process=False)):
-    return cache_key(model.model.diffusion_model, cfg, torch.device("cpu"), model_variant(model), model_layout(model))
+def _key(model, cfg=CompileConfig()):
+    return cache_key(model.model.diffusion_model, cfg, torch.device("cpu"), cfg.inductor_options(capture=False),
+                     model_variant(model), model_layout(model))
 
 
-def test_weight_dtypes_shapes_and_fp8_layouts_are_in_the_cache_key(cpu_fp8):
+def test_weight_dtypes_shapes_fp8_configs_and_modes_are_in_the_cache_key(cpu_fp8):
     from fluxaccel.core.quant.fp8 import Fp8Config
     from fluxaccel.core.quant.patch import apply_fp8
 
@@ -79,12 +80,12 @@ def test_weight_dtypes_shapes_and_fp8_layouts_are_in_the_cache_key(cpu_fp8):
         "fp32 weights": _key(build_flux(dtype=torch.float32)),
         "deeper model": _key(build_flux({**TINY, "depth": 3})),
         "wider text input": _key(build_flux({**TINY, "context_in_dim": 128})),
-        "fp8 per_row plain": _key(apply_fp8(bf16, Fp8Config("per_row"))[0]),
-        "fp8 per_tensor plain": _key(apply_fp8(bf16, Fp8Config("per_tensor"))[0]),
-        "fp8 per_row subclass": _key(apply_fp8(bf16, Fp8Config("per_row", layout="subclass"))[0]),
-        "another compile mode": _key(bf16, CompileConfig(mode="max-autotune-no-cudagraphs", separate_process=False)),
-        "tuned kernels": _key(bf16, CompileConfig(mode="tuned-kernels", separate_process=False)),
-        "block regions off": _key(bf16, CompileConfig(separate_process=False)),
+        "fp8 per_row": _key(apply_fp8(bf16, Fp8Config("per_row"))[0]),
+        "fp8 per_tensor": _key(apply_fp8(bf16, Fp8Config("per_tensor"))[0]),
+        "fp8 blocks+modulation": _key(apply_fp8(bf16, Fp8Config("per_row", "blocks+modulation"))[0]),
+        "max-autotune": _key(bf16, CompileConfig(mode="max-autotune")),
+        "tuned kernels": _key(bf16, CompileConfig(mode="tuned-kernels")),
+        "fp8 attention": _key(bf16, CompileConfig(attention="fp8")),
     }
     assert len(set(keys.values())) == len(keys), keys
     assert _key(build_flux(seed=5)) == keys["bf16"], "new weights of the same layout share the package"

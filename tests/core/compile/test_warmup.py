@@ -37,7 +37,7 @@ def test_warmup_then_real_runs_compile_nothing(tiny_flux):
     assert compiled.stats.compile_seconds.keys() == compiled_of(model).stats.compile_seconds.keys(), \
         "what the shared compiled callable compiled is known to both (no second 'compiled' for a shared shape)"
     graphs = compiled_graphs()
-    assert graphs == 2  # one graph per warmed shape (traced, or loaded from an earlier test's package)
+    assert graphs == 4  # one graph per block kind and warmed shape (traced, or loaded from an earlier test's package)
     pos = synthetic_conditioning("tiny", text_len=16, seed=42)
     for h, w in ((16, 16), (24, 16)):  # the user's prompts: other text, other seed, both warmed shapes
         latent = torch.zeros(1, 16, h, w)
@@ -117,67 +117,3 @@ def test_reference_sizes_are_warmed_refused_under_strict_and_counted_under_recom
     assert [k.refs for k in compiled.stats.shapes] == [((16, 16),), ((16, 24),)]
     assert len(compiled.stats.compile_seconds) == 2 and compiled.stats.eager_calls == 0
     torch._dynamo.reset()
-
-
-def test_static_activation_scales_are_calibrated_then_compiled_on_their_own(cpu_fp8, tiny_flux):
-    """activation_scales static: Warmup samples each size uncompiled over the given steps with the workflow's
-    conditioning (the FP8 Linears observe), fixes their scales, and compiles a model of its own at the size; the
-    Compile node's output keeps its Linears, compiled callable and shapes. The static model compiles nothing more at
-    the warmed size, computes what it does uncompiled, and stays near the bf16 model as the dynamic one does."""
-    from fluxaccel.core import patches
-    from fluxaccel.core.bench.metrics import rel_err
-    from fluxaccel.core.compile.patch import model_variant, remove_compile
-    from fluxaccel.core.quant.fp8 import Fp8Config
-    from fluxaccel.core.quant.patch import apply_fp8, fp8_state
-    from fluxaccel.core.quant.static_scales import StaticFp8Linear, StaticScalesConfig, static_scales_state
-    from support.runs import denoise_once
-
-    clear_compile_counters()
-    torch._dynamo.reset()
-    q, _ = apply_fp8(tiny_flux, Fp8Config("per_row"))
-    upstream, compiled = apply_compile(q, CompileConfig(resolution_policy="strict", separate_process=False))
-    pos = synthetic_conditioning("tiny", text_len=16, seed=42)
-    ticks = []
-    model, secs = warmup(upstream, [(128, 128)], text_length=16, steps=3, positive=pos, negative=pos,
-                         on_step=lambda: ticks.append(1), static_scales=StaticScalesConfig())
-    assert len(ticks) == 6, "3 calibration steps, then 3 warm-up steps"
-    state = static_scales_state(model)
-    keys = fp8_state(q).keys
-    assert state is not None and state.keys == keys and state.dynamic == ()
-    assert "128x128" in state.calibration or "16x16" in state.calibration
-    assert all(isinstance(swaps.get(model, k), StaticFp8Linear) for k in keys)
-    assert all(swaps.get(upstream, k) is swaps.get(model, k).inner for k in keys), "wrapped, not copied"
-    assert static_scales_state(upstream) is None and compiled.stats.shapes == [] and compiled.stats.calls == 0
-    mine = compiled_of(model)
-    assert mine is not compiled and mine.runner is not compiled.runner and mine.cfg == compiled.cfg
-    assert mine.stats.shapes == [ShapeKey(1, 16, 16, 16, "bfloat16")]
-    assert model_variant(model) != model_variant(upstream)
-    assert patches.label(model).startswith("fp8-per_row-plain-static+compile")
-    assert patches.describe(model)["fp8"]["static_activation_scales"]["linears"] == len(keys)
-    assert static_scales_state(patches.strip(model)) is None
-
-    graphs = compiled_graphs()
-    out = denoise_once(model)
-    assert compiled_graphs() == graphs, "the warmed size must not compile again"
-    assert rel_err(out, denoise_once(remove_compile(model))) < 0.02
-    ref, dynamic = denoise_once(tiny_flux), denoise_once(upstream)
-    assert not torch.equal(out, dynamic)
-    assert rel_err(out, ref) < 2 * rel_err(dynamic, ref) + 0.01
-    torch._dynamo.reset()
-
-
-def test_static_activation_scales_need_the_workflows_conditioning(cpu_fp8, tiny_flux):
-    from fluxaccel.core.quant.fp8 import Fp8Config
-    from fluxaccel.core.quant.patch import apply_fp8
-    from fluxaccel.core.quant.static_scales import StaticScalesConfig
-
-    model, _ = apply_compile(apply_fp8(tiny_flux, Fp8Config("per_row"))[0], CompileConfig(separate_process=False))
-    with pytest.raises(FluxAccelError, match="Warmup \\(FluxAccel\\): activation_scales 'static' calibrates on your "
-                                             "prompts' conditioning: connect positive"):
-        warmup(model, [(128, 128)], text_length=16, steps=1, static_scales=StaticScalesConfig())
-    pos = synthetic_conditioning("tiny", text_len=16)
-    with pytest.raises(FluxAccelError, match="connect negative \\(cfg > 1\\)"):
-        warmup(model, [(128, 128)], cfg=2.0, steps=1, positive=pos, static_scales=StaticScalesConfig())
-    with pytest.raises(FluxAccelError, match="this model has none: put Quantize FP8"):
-        warmup(apply_compile(tiny_flux, CompileConfig(separate_process=False))[0], [(128, 128)], steps=1, positive=pos,
-               static_scales=StaticScalesConfig())
