@@ -51,8 +51,7 @@ WORKFLOWS = {
     "fp8": ("fluxaccel_fp8_benchmark.json", []),
     # what shows the plugin on a CPU: Compile -> Warmup -> Benchmark against eager (FP8 needs an NVIDIA GPU)
     "quickstart-cpu": ("fluxaccel_quickstart_cpu.json", []),
-    "compile": ("fluxaccel_compile_benchmark.json", ["--disable-cuda-malloc"]),
-    "samplers": ("fluxaccel_compile_benchmark.json", ["--disable-cuda-malloc"]),
+    "compile": ("fluxaccel_compile_benchmark.json", []),
     # FluxAccel against ComfyUI core's own acceleration, with ComfyUI's default launch flags (core_prompt below)
     "core": (None, []),
 }
@@ -65,7 +64,7 @@ def _node(class_type: str, title: str, **inputs) -> dict:
 
 def core_prompt(unet_name: str) -> dict:
     """Rows: core's TorchCompileModel (bf16, and on weight_dtype fp8_e4m3fn_fast), FluxAccel's defaults (Quantize
-    FP8 -> Compile), FluxAccel's fastest (scope blocks+modulation); each against core's eager default."""
+    FP8 -> Compile) and its attention fp8; each against core's eager default."""
     p = {
         "1": _node("UNETLoader", "Load FLUX (bf16)", unet_name=unet_name, weight_dtype="default"),
         "2": _node("FluxAccelSyntheticConditioning", "Synthetic conditioning", model=["1", 0], text_length=512,
@@ -74,46 +73,20 @@ def core_prompt(unet_name: str) -> dict:
         "4": _node("UNETLoader", "Load FLUX (fp8_e4m3fn_fast)", unet_name=unet_name, weight_dtype="fp8_e4m3fn_fast"),
         "5": _node("TorchCompileModel", "core fp8_e4m3fn_fast + TorchCompileModel", model=["4", 0], backend="inductor"),
         "6": _node("FluxAccelQuantizeFP8", "Quantize FP8 (defaults)", model=["1", 0], granularity="per_row",
-                   scope="blocks", layout="plain"),
-        "7": _node("FluxAccelCompile", "Compile (defaults)", model=["6", 0], cuda_graphs=True, mode="default",
-                   resolution_policy="strict", max_shapes=4, persistent_cache=True, clear_cache=False,
-                   block_regions=True),
-        "8": _node("FluxAccelQuantizeFP8", "Quantize FP8 (blocks+modulation)", model=["1", 0], granularity="per_row",
-                   scope="blocks+modulation", layout="plain"),
-        "9": _node("FluxAccelCompile", "Compile (blocks+modulation)", model=["8", 0], cuda_graphs=True,
-                   mode="default", resolution_policy="strict", max_shapes=4, persistent_cache=True,
-                   clear_cache=False, block_regions=True),
+                   scope="blocks"),
+        "7": _node("FluxAccelCompile", "Compile (defaults)", model=["6", 0], resolution_policy="strict"),
+        # FP8 attention (FlashAttention-3's FP8 kernel; the fa3-fwd wheel, Hopper GPUs only)
+        "8": _node("FluxAccelCompile", "Compile (attention fp8)", model=["6", 0], resolution_policy="strict",
+                   attention="fp8"),
     }
-    p["10"] = _node("FluxAccelCompile", "Compile (blocks+modulation, no block regions)", model=["8", 0],
-                    cuda_graphs=True, mode="default", resolution_policy="strict", max_shapes=4,
-                    persistent_cache=True, clear_cache=False, block_regions=False)
-    # FP8 attention (FlashAttention-3's FP8 kernel; the fa3-fwd wheel, Hopper GPUs only)
-    p["11"] = _node("FluxAccelCompile", "Compile (defaults, attention fp8)", model=["6", 0], cuda_graphs=True,
-                    mode="default", resolution_policy="strict", max_shapes=4, persistent_cache=True,
-                    clear_cache=False, block_regions=True, attention="fp8")
-    # the per-step levers together: FP8 modulation weights, coordinate-descent tuning and FP8 attention
-    p["14"] = _node("FluxAccelCompile", "Compile (blocks+modulation, tuned-kernels, attention fp8)", model=["8", 0],
-                    cuda_graphs=True, mode="tuned-kernels", resolution_policy="strict", max_shapes=4,
-                    persistent_cache=True, clear_cache=False, block_regions=True, attention="fp8")
-    # static activation scales (Warmup calibrates them over the case's steps with the rows' conditioning), on the
-    # default and on attention fp8; build_prompt sets each Warmup's size and steps to the case's
-    for nid, src, title in (("12", "7", "defaults"), ("13", "11", "attention fp8")):
-        p[nid] = _node("FluxAccelWarmup", f"Warmup (static activation scales, {title})", model=[src, 0],
-                       resolutions="1024x1024", batch_size=1, text_length=512, cfg=1.0, steps=28,
-                       activation_scales="static", positive=["2", 0])
     rows = [("3", "core TorchCompileModel", "core-torchcompile"),
             ("5", "core fp8_e4m3fn_fast + TorchCompileModel", "core-fp8_e4m3fn_fast+torchcompile"),
-            ("7", "FluxAccel default", ""), ("9", "FluxAccel best (blocks+modulation)", ""),
-            ("10", "FluxAccel fastest (blocks+modulation, no block regions)", ""),
-            ("11", "FluxAccel attention fp8", ""), ("12", "FluxAccel static activation scales", ""),
-            ("13", "FluxAccel static activation scales + attention fp8", ""),
-            ("14", "FluxAccel blocks+modulation + tuned-kernels + attention fp8", "")]
+            ("7", "FluxAccel default", ""), ("8", "FluxAccel attention fp8", "")]
     for i, (model, title, label) in enumerate(rows):
         p[str(20 + i)] = _node("FluxAccelBenchmark", f"Benchmark {title}", model=[model, 0], baseline=["1", 0],
                                positive=["2", 0], text_length=512, width=1024, height=1024, steps=28, runs=3,
                                label=label, **BENCH_DEFAULTS)
     return p
-SWEEP_SAMPLERS = ["euler", "heun", "dpmpp_2m", "dpmpp_2m_sde", "uni_pc"]
 
 
 def _gpu() -> str | None:
@@ -129,23 +102,9 @@ def build_prompt(case: dict, unet_name: str, runs: int, suite: str = "fp8") -> d
         prompt = copy.deepcopy(json.loads((ROOT / "example_workflows" / "api" / WORKFLOWS[suite][0]).read_text()))
     prompt["1"]["inputs"]["unet_name"] = unet_name
     prompt["2"]["inputs"]["text_length"] = case["text_length"]
-    if suite == "samplers":
-        # CUDA graphs vs the same compile without graphs, per sampler (cfg 1, batch 1) and for cfg 3.5 (batch 2)
-        template = next(n for n in prompt.values() if n["class_type"] == "FluxAccelBenchmark")
-        prompt = {k: v for k, v in prompt.items() if v["class_type"] != "FluxAccelBenchmark"}
-        runs_cfg = [(s, 1.0) for s in SWEEP_SAMPLERS] + [("euler", 3.5)]
-        for i, (sampler, cfg) in enumerate(runs_cfg):
-            node = copy.deepcopy(template)
-            node["inputs"].update(model=["7", 0], baseline=["8", 0], sampler_name=sampler, cfg=cfg, runs=1)
-            node["_meta"] = {"title": f"graphs vs no graphs: {sampler}, cfg {cfg}"}
-            prompt[str(20 + i)] = node
-        runs = 1
     for node in prompt.values():
         if node["class_type"] == "FluxAccelBenchmark":
             node["inputs"].update(width=case["width"], height=case["height"], steps=case["steps"], runs=runs,
-                                  text_length=case["text_length"])
-        if node["class_type"] == "FluxAccelWarmup" and node["inputs"].get("activation_scales") == "static":
-            node["inputs"].update(resolutions=f"{case['width']}x{case['height']}", steps=case["steps"],
                                   text_length=case["text_length"])
     return prompt
 
@@ -238,9 +197,9 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", help="a real bf16 FLUX diffusion-model .safetensors to use instead of random weights")
     ap.add_argument("--runs", type=int, help="timed runs per config (default per case)")
     ap.add_argument("--suite", choices=sorted(WORKFLOWS), default=None,
-                    help="fp8: eager vs FP8; compile: eager vs compile/graphs/FP8 variants; samplers: graphs vs no "
-                         "graphs for each sampler and cfg 3.5; core: core's TorchCompileModel (bf16, fp8_e4m3fn_fast) vs "
-                         "FluxAccel's default and fastest, with ComfyUI's default launch flags; quickstart-cpu: "
+                    help="fp8: eager vs FP8; compile: eager vs compiled bf16 and FP8 variants; core: core's "
+                         "TorchCompileModel (bf16, fp8_e4m3fn_fast) vs FluxAccel's default and attention fp8, with "
+                         "ComfyUI's default launch flags; quickstart-cpu: "
                          "Compile -> Warmup -> Benchmark, no FP8 (default: compile on a GPU, quickstart-cpu on the CPU; "
                          "fp8 on the CPU runs torchao's FP8 kernels there: a functional check, slower by design)")
     ap.add_argument("--out", help="folder for the results JSON (default: bench/results on a GPU, .cache/bench-results "

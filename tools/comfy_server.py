@@ -43,11 +43,10 @@ class PromptFailed(RuntimeError):
 
 CPU_FP8_NODES = Path(__file__).resolve().parent / "cpu_fp8_node"
 MEMORY_MODEL_NODES = Path(__file__).resolve().parent / "memory_model_node"
-PROMPT_SPLIT_NODES = Path(__file__).resolve().parent / "prompt_split_node"
 # CPU servers (tests, the CPU demo): ComfyUI runs FLUX in float32 from bf16 weights there, casting every Linear's
 # weight per call (up to 150 MB each); glibc hands each such block back to the OS (mmap/munmap) and page-faults it in
-# again on the next forward. Keeping freed memory in the server's heap halves a forward of the 3072-wide e2e model
-# (bf16 eager 1.9 -> 0.8 s, FP8 4.3 -> 2.3 s; bench/NOTES.md, session 8). Not for the test processes themselves:
+# again on the next forward. Keeping freed memory in the server's heap makes a forward of the 3072-wide e2e model
+# about twice as fast. Not for the test processes themselves:
 # their heap would then keep its peak (7 GB each seen in CI) for the whole run. A variable already set wins.
 CPU_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000"}
 
@@ -77,17 +76,15 @@ def _progress_text(frame: bytes) -> dict | None:
 class ComfyServer:
     def __init__(self, comfy_dir: Path, workdir: Path, models_dir: Path, extra_args: tuple[str, ...] = (),
                  env: dict | None = None, port: int | None = None, cpu_fp8: bool = False,
-                 memory_model: bool = False, timestamps: bool = False, prompt_split: Path | None = None):
+                 memory_model: bool = False, timestamps: bool = False):
         """cpu_fp8: the server also loads tools/cpu_fp8_node (lifts torchao's FP8 gate for a CPU test or demo);
         memory_model: tools/memory_model_node (random-weight FLUX models built in host memory, no file);
-        prompt_split: tools/prompt_split_node, which appends where each prompt's time went to this file (one JSON
-        line per prompt: see the node's docstring);
         timestamps: each line of the log starts with the seconds since the server started (ComfyUI's own lines carry
         none): where a first prompt's time goes. The lines then reach the file through a thread of this process,
         a moment after ComfyUI prints them, so read the log once the server stopped."""
         self.timestamps = timestamps
         self.comfy_dir, self.workdir, self.models_dir = Path(comfy_dir), Path(workdir), Path(models_dir)
-        self.cpu_fp8, self.memory_model, self.prompt_split = cpu_fp8, memory_model, prompt_split
+        self.cpu_fp8, self.memory_model = cpu_fp8, memory_model
         self.extra_args, self.env = list(extra_args), env
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -106,8 +103,7 @@ class ComfyServer:
             (self.workdir / sub).mkdir(exist_ok=True)
         paths = self.workdir / "extra_model_paths.yaml"
         text = f"fluxaccel:\n  base_path: {self.models_dir}\n  diffusion_models: diffusion_models\n  loras: loras\n"
-        tool_nodes = [d for d, on in ((CPU_FP8_NODES, self.cpu_fp8), (MEMORY_MODEL_NODES, self.memory_model),
-                                      (PROMPT_SPLIT_NODES, self.prompt_split)) if on]
+        tool_nodes = [d for d, on in ((CPU_FP8_NODES, self.cpu_fp8), (MEMORY_MODEL_NODES, self.memory_model)) if on]
         if tool_nodes:  # one folder per line (ComfyUI splits the value on newlines)
             text += "  custom_nodes: |\n" + "".join(f"    {d}\n" for d in tool_nodes)
         paths.write_text(text)
@@ -116,8 +112,6 @@ class ComfyServer:
                "--temp-directory", str(self.workdir / "temp"), "--user-directory", str(self.workdir / "user"),
                "--extra-model-paths-config", str(paths), "--disable-auto-launch", *self.extra_args]
         env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1"}
-        if self.prompt_split:
-            env["FLUXACCEL_PROMPT_SPLIT"] = str(self.prompt_split)
         if "--cpu" in self.extra_args:
             for k, v in CPU_MALLOC.items():
                 env.setdefault(k, v)
@@ -248,14 +242,6 @@ class ComfyServer:
     def cached_nodes(hist: dict) -> list[str]:
         """Node ids ComfyUI served from its node cache in this prompt (not executed)."""
         return next((m[1]["nodes"] for m in hist["status"]["messages"] if m[0] == "execution_cached"), [])
-
-    def prompt_split_of(self, hist: dict) -> dict | None:
-        """The prompt_split node's line for this prompt (None without prompt_split, or if it wrote none)."""
-        if not self.prompt_split or not Path(self.prompt_split).exists():
-            return None
-        prompt_id = next(m[1]["prompt_id"] for m in hist["status"]["messages"] if m[0] == "execution_start")
-        lines = [json.loads(x) for x in Path(self.prompt_split).read_text().splitlines() if x.strip()]
-        return next((x for x in lines if x["prompt_id"] == prompt_id), None)
 
     def saved_latent(self, hist: dict, node: str):
         """The latent a SaveLatent node wrote in this prompt, read back from the output folder."""

@@ -77,7 +77,7 @@ def main() -> int:
         print(p)
     if not done.written and not done.loaded:
         log.error("the workflow ran but no warm-start package was written or loaded: see the warnings above (e.g. "
-                  "persistent_cache off on the Compile node, or a shape that cannot be packaged)")
+                  "a shape that cannot be packaged)")
         return 1
     return 0
 

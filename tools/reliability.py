@@ -47,9 +47,8 @@ def prompt(seed: int, steps: int, size: int, text_length: int, tag: str, latent_
         "3": {"class_type": latent_node, "inputs": {"width": size, "height": size, "batch_size": 1}},
         "4": {"class_type": "FluxAccelQuantizeFP8", "inputs": {"model": ["1", 0], "granularity": "per_row",
                                                                "scope": "blocks"}},
-        "5": {"class_type": "FluxAccelCompile", "inputs": {"model": ["4", 0], "cuda_graphs": True, "mode": "default",
-                                                           "resolution_policy": "strict", "max_shapes": 1,
-                                                           "separate_process": False}},
+        "5": {"class_type": "FluxAccelCompile", "inputs": {"model": ["4", 0], "resolution_policy": "strict",
+                                                           "max_shapes": 1}},
         "6": {"class_type": "KSampler", "inputs": {"model": ["5", 0], "seed": seed, "steps": steps, "cfg": 1.0,
                                                    "sampler_name": "euler", "scheduler": "simple",
                                                    "positive": ["2", 0], "negative": ["2", 0],
@@ -98,7 +97,7 @@ def log_size(srv) -> int:
 
 def graph_lines(srv, since: int) -> dict:
     """What the server's log said about CUDA graphs since byte `since`: FluxAccel's captured calls (a capture after a
-    reload is a recapture when the weights moved; graph_capture 'call'), as counts of its log lines."""
+    reload is a recapture when the weights moved), as counts of its log lines."""
     with open(srv.log_path, "rb") as f:
         f.seek(since)
         text = f.read().decode(errors="replace")

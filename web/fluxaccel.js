@@ -29,7 +29,7 @@ function badgeText(b) {
   const parts = [b.shapes?.length ? b.shapes.join(", ") : "compiles on first use"];
   if (b.graphs !== undefined) {
     parts.push(b.graphs ? "CUDA graphs on" : b.graphsOff ? `CUDA graphs off (${b.graphsOff})`
-      : b.graphsLost ? "CUDA graphs lost (re-record limit)" : "CUDA graphs off");
+      : b.graphsLost ? `CUDA graphs lost (${b.graphsLost})` : "CUDA graphs off");
   }
   if (b.compiling?.length) {
     parts.push(`compiling ${b.compiling.join(", ")} in a separate process: ${b.uncompiledCalls || 0} call(s) ran uncompiled`);
@@ -214,51 +214,47 @@ function fluxaccelBadge(node) {
   };
 }
 
-// Compile's widget values as saved before clear_cache left the node (it was a saved setting that cleared the cache of
-// every machine running the workflow): [cuda_graphs, mode, resolution_policy, max_shapes, persistent_cache,
-// clear_cache, block_regions]. Without this, the old clear_cache value would land in block_regions. Workflows saved
-// with seven values whose last is attention (a name, not a boolean) are left as they are; today's node has twelve
-// (separate_process, single_blocks, graph_capture, stage_inputs, then modulation_table last), and a workflow saved
-// without them gets their defaults.
-const RETIRED_CLEAR_CACHE_SLOT = 5;
-const COMPILE_WIDGETS_WITH_CLEAR_CACHE = 7;
+// Widget values of workflows saved with inputs a node no longer has. The editor assigns saved values by position,
+// so they are mapped by name here (the server says the same of API prompts in its log). Compile's older forms start
+// with cuda_graphs (a boolean; today's first widget is resolution_policy, a name): [cuda_graphs, mode,
+// resolution_policy, max_shapes, persistent_cache, ...], attention seventh where that slot holds a name (the form
+// with clear_cache sixth holds a boolean there). Quantize FP8 kept granularity and scope first, Warmup its first five.
+const COMPILE_DEFAULT_ATTENTION = "cudnn";
+const KEPT_PREFIX = { FluxAccelQuantizeFP8: 2, FluxAccelWarmup: 5 };
 
-export function migrateCompileWidgets(values) {
-  if (!Array.isArray(values) || values.length !== COMPILE_WIDGETS_WITH_CLEAR_CACHE || typeof values[6] !== "boolean") {
-    return { values, cleared: false };
+export function migrateWidgets(nodeType, values) {
+  if (!Array.isArray(values)) return values;
+  if (nodeType === COMPILE) {
+    if (typeof values[0] !== "boolean" || values.length < 4) return values;
+    const attention = typeof values[6] === "string" ? values[6] : COMPILE_DEFAULT_ATTENTION;
+    return [values[2], values[3], attention, values[1]]; // resolution_policy, max_shapes, attention, mode
   }
-  const copy = [...values];
-  const [cleared] = copy.splice(RETIRED_CLEAR_CACHE_SLOT, 1);
-  return { values: copy, cleared: cleared === true };
+  const kept = KEPT_PREFIX[nodeType];
+  return kept !== undefined && values.length > kept ? values.slice(0, kept) : values;
 }
 
 app.registerExtension({
   name: "FluxAccel.Editor",
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (!FLUXACCEL_NODE_IDS.includes(nodeData.name)) return;
-    if (nodeData.name === COMPILE) {
-      const configure = nodeType.prototype.configure;
-      nodeType.prototype.configure = function (info) {
-        const { values, cleared } = migrateCompileWidgets(info?.widgets_values);
-        if (values !== info?.widgets_values) {
-          info = { ...info, widgets_values: values };
-          window.__fluxaccel.migrated = (window.__fluxaccel.migrated || 0) + 1;
-          if (cleared) {
-            toast("Compile (FluxAccel): clear_cache is no longer a node setting",
-                  "This workflow was saved with clear_cache on. Nothing is cleared when it runs; clear the cache with " +
-                  "tools/clear_cache.py in the plugin folder.");
-          }
-        }
-        return configure.call(this, info);
-      };
-    }
+    const configure = nodeType.prototype.configure;
+    nodeType.prototype.configure = function (info) {
+      const values = migrateWidgets(nodeData.name, info?.widgets_values);
+      if (values !== info?.widgets_values) {
+        console.info(`FluxAccel: ${nodeData.name} was saved with inputs it no longer has; FluxAccel decides them now`);
+        info = { ...info, widgets_values: values };
+        window.__fluxaccel.migrated = (window.__fluxaccel.migrated || 0) + 1;
+      }
+      return configure.call(this, info);
+    };
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {
       onExecuted?.apply(this, arguments);
       const text = (message?.text || []).join("\n");
       if (nodeData.name === BENCHMARK && message?.fluxaccel_table?.length) showTable(this, message.fluxaccel_table[0], text);
       else if (text) showReport(this, text);
-      if (nodeData.name === COMPILE) updateBadge(this.id, {});
+      // the node's text and its badge: one state, measured when the node ran (nodes/events.py compiled_state)
+      if (nodeData.name === COMPILE) updateBadge(this.id, message?.fluxaccel_compiled?.[0] ? compiledPatch(message.fluxaccel_compiled[0]) : {});
       if (nodeData.name === BENCHMARK && message?.fluxaccel_speedup?.length) {
         const compile = upstreamCompile(this);
         // the compile state measured with the speedup: right also when the Compile node came from ComfyUI's cache

@@ -47,8 +47,9 @@ def compiled_parts(model) -> list[str]:
 def capture_unavailable(device: torch.device) -> str:
     """Why FluxAccel cannot capture model calls into CUDA graphs here ('' where it can): graphs need a CUDA device,
     and the compiled blocks' C++ wrapper (which runs under any CUDA allocator) a C++ compiler."""
-    if torch.device(device).type != "cuda":
-        return f"CUDA graphs need a CUDA GPU; this model runs on {torch.device(device).type}"
+    kind = torch.device(device).type
+    if kind != "cuda":
+        return f"this model runs on {'the CPU' if kind == 'cpu' else kind}; CUDA graphs need a CUDA GPU"
     cc = torch_internals.cpp_compiler()
     if isinstance(cc, Unavailable):
         return f"{cc}: the C++ wrapper's build cannot be checked"

@@ -105,23 +105,25 @@ try {
     }
     return out;
   });
-  // a workflow saved when Compile still had clear_cache (7 widget values, clear_cache on, block_regions on): the values
-  // land on the right widgets and the editor says nothing is cleared
+  // workflows saved when Compile had twelve widgets (cuda_graphs first) and when it still had clear_cache (seven):
+  // the values land on today's widgets by name
   step("old Compile widgets");
   result.oldCompile = await page.evaluate(async () => {
-    const data = await (await fetch("/api/workflow_templates/comfyui-fluxaccel/fluxaccel_quickstart_cpu.json")).json();
-    const node = data.nodes.find((n) => n.type === "FluxAccelCompile");
-    node.widgets_values = [true, "default", "recompile", 3, true, true, true];
-    const toastsBefore = window.__fluxaccel.toasts.length;
-    await window.app.loadGraphData(data, true, false, "old-compile");
-    await new Promise((r) => setTimeout(r, 300));
-    const loaded = window.app.graph._nodes.find((n) => n.type === "FluxAccelCompile");
-    const widgets = Object.fromEntries(loaded.widgets.map((w) => [w.name, w.value]));
-    const added = window.__fluxaccel.toasts.slice(toastsBefore);
-    window.__fluxaccel.toasts.splice(toastsBefore);  // the later checks read the run's toasts only
-    return { widgets, added };
+    const loadWith = async (values) => {
+      const data = await (await fetch("/api/workflow_templates/comfyui-fluxaccel/fluxaccel_quickstart_cpu.json")).json();
+      data.nodes.find((n) => n.type === "FluxAccelCompile").widgets_values = values;
+      await window.app.loadGraphData(data, true, false, "old-compile");
+      await new Promise((r) => setTimeout(r, 300));
+      const loaded = window.app.graph._nodes.find((n) => n.type === "FluxAccelCompile");
+      return Object.fromEntries(loaded.widgets.map((w) => [w.name, w.value]));
+    };
+    const migratedBefore = window.__fluxaccel.migrated || 0;
+    const twelve = await loadWith([true, "tuned-kernels", "recompile", 3, true, true, "fp8", true, "fluxaccel",
+                                   "auto", true, "auto"]);
+    const seven = await loadWith([true, "default", "recompile", 2, true, true, true]);
+    return { twelve, seven, migrated: (window.__fluxaccel.migrated || 0) - migratedBefore };
   });
-  // back to the CPU quickstart, as shipped, for the run (today's twelve Compile values, modulation_table last: not migrated)
+  // back to the CPU quickstart, as shipped, for the run (today's widgets: not migrated)
   result.shippedCompile = await page.evaluate(async () => {
     const data = await (await fetch("/api/workflow_templates/comfyui-fluxaccel/fluxaccel_quickstart_cpu.json")).json();
     const migratedBefore = window.__fluxaccel.migrated || 0;
@@ -167,6 +169,11 @@ try {
     const n = window.app.graph._nodes.find((x) => x.type === "FluxAccelCompile");
     const ours = (n?.badges || []).map((b) => (typeof b === "function" ? b() : b)).find((b) => b?.fluxaccel);
     return ours?.text ?? null;
+  });
+  // the Compile node's own text (its report area), from the same state as the badge
+  result.compileText = await page.evaluate(() => {
+    const n = window.app.graph._nodes.find((x) => x.type === "FluxAccelCompile");
+    return n?.widgets?.find((w) => w.name === "fluxaccel_report")?.element?.value ?? "";
   });
   // the minimap would cover the Benchmark's chart in the screenshot (a user's setting, off here only)
   await page.evaluate(async () => {
