@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Runs the project's benchmark command on the lent GPU machine (no package index there).
-# The host is FLUXACCEL_COMFYUI (0.33.0, the default, or 0.3.75). Carry its kit:
-#   0.33.0: .gpu033, a copy of ../shared/gpu/kit-0.33 (cp -r ../shared/gpu/kit-0.33 .gpu033)
-#   0.3.75: .gpu, built here by ../shared/gpu/fetch-kit.sh with
-#           EXTRA_WHEELS="comfyui-frontend-package==1.32.9" TORCHAO_VERSION=0.18.0
+# The host is ComfyUI 0.33.0. Carry its kit: .gpu033, a copy of ../shared/gpu/kit-0.33 (cp -r ../shared/gpu/kit-0.33
+# .gpu033)
 # and call:  bash bench/device.sh --case dev-1024-28 [--suite core] [more tools/bench.py args]
 #        or:  bash bench/device.sh --reliability   (tools/reliability.py: interrupt, /free, 50 prompts on the GPU)
 #        or:  bash bench/device.sh --first-prompts --case klein9b-1024-4   (tools/first_prompts.py)
@@ -11,8 +9,7 @@
 # the per-node tables and charts stay on the machine in /tmp/fluxaccel-results. FLUXACCEL_PROBES=1 first runs
 # bench/probes/*. Several cases in one call: --cases "a b" (each with the same other arguments).
 set -euo pipefail
-export FLUXACCEL_COMFYUI=${FLUXACCEL_COMFYUI:-0.33.0}
-if [ "$FLUXACCEL_COMFYUI" = 0.3.75 ]; then source .gpu/setup-on-device.sh; else source .gpu033/setup-on-device.sh; fi
+source .gpu033/setup-on-device.sh
 export FLUXACCEL_HOST_NO_INSTALL=1
 # one compile-cache folder for every run on this machine: a later run's first run is a cached first run
 export FLUXACCEL_CACHE_DIR=${FLUXACCEL_CACHE_DIR:-/tmp/fluxaccel-cache}

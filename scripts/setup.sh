@@ -1,33 +1,33 @@
 #!/usr/bin/env bash
-# Idempotent set-up from nothing, for one ComfyUI host (FLUXACCEL_COMFYUI=0.33.0, the default, or 0.3.75):
-#   .venv                       torch, torchao and the test tools (requirements-dev.txt), shared by both hosts
-#   .cache/venv-<version>       that host's ComfyUI requirements; it sees .venv's packages through a .pth file
-#   .cache/ComfyUI-<version>    the ComfyUI tree (tools/host.py), the plugin linked into its custom_nodes/
+# Idempotent set-up from nothing, for the ComfyUI 0.33.0 host:
+#   .venv                       torch, torchao and the test tools (requirements-dev.txt)
+#   .cache/venv-0.33.0          ComfyUI's requirements; it sees .venv's packages through a .pth file
+#   .cache/ComfyUI-0.33.0       the ComfyUI tree (tools/host.py: COMFYUI_DIR, a release archive, or a download),
+#                               the plugin linked into its custom_nodes/
 # Prints the host's Python on stdout; progress goes to stderr.
 # A Python that already has torch + torchvision (e.g. a GPU box) can be used instead: FLUXACCEL_PYTHON=python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-HOST=${FLUXACCEL_COMFYUI:-0.33.0}
 say() { echo "[setup] $*" >&2; }
 if [ -n "${FLUXACCEL_PYTHON:-}" ]; then
   PY="$FLUXACCEL_PYTHON"
 else
   if [ ! -x .venv/bin/python ]; then say "creating .venv"; python3 -m venv .venv; fi
-  if ! .venv/bin/python -c "import torch, torchvision, torchao, pytest, xdist, safetensors, tqdm, matplotlib" 2>/dev/null; then
+  if ! .venv/bin/python -c "import torch, torchvision, torchao, pytest, xdist, safetensors, tqdm, matplotlib, markdown_it" 2>/dev/null; then
     say "installing torch, torchao and the test tools into .venv (requirements-dev.txt; several minutes on a fresh machine)"
     .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
   fi
-  HV=.cache/venv-$HOST
+  HV=.cache/venv-0.33.0
   if [ ! -x "$HV/bin/python" ]; then
-    say "creating $HV (ComfyUI $HOST's packages, on top of .venv)"
+    say "creating $HV (ComfyUI's packages, on top of .venv)"
     mkdir -p .cache && python3 -m venv "$HV"
     base=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     "$HV/bin/python" -c "import sysconfig, sys; open(sysconfig.get_paths()['purelib'] + '/_fluxaccel_base.pth', 'w').write(sys.argv[1] + '\n')" "$base"
   fi
   PY=$HV/bin/python
 fi
-say "preparing ComfyUI $HOST (tools/host.py)"
-"$PY" tools/host.py --comfyui "$HOST" >/dev/null
+say "preparing ComfyUI (tools/host.py)"
+"$PY" tools/host.py >/dev/null
 if [ -z "${FLUXACCEL_PYTHON:-}" ] && [ ! -x .cache/comfy-cli/bin/comfy ]; then
   say "comfy-cli (the registry's own checks, tests/test_registry.py) into .cache/comfy-cli"
   python3 -m venv .cache/comfy-cli && .cache/comfy-cli/bin/python -m pip install -q --disable-pip-version-check "comfy-cli==1.23.0" >&2

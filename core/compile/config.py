@@ -8,6 +8,7 @@ staging of the sampler's inputs. The node shows the fields marked `node`; the ot
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ _MODE_OPTIONS = {"tuned-kernels": lambda: {"coordinate_descent_tuning": True},
                  # FluxAccel captures the CUDA graphs itself: inductor's own are always off
                  "max-autotune": lambda: torch_internals.mode_options("max-autotune-no-cudagraphs")}
 POLICIES: tuple[str, ...] = ("strict", "recompile", "eager_fallback")
+SEPARATE_ENV = "FLUXACCEL_SEPARATE_COMPILE"  # "0": a new shape compiles in its first call (fleets, tests)
 ATTENTIONS: tuple[str, ...] = ("cudnn", "fp8")  # fp8: FlashAttention-3's FP8 kernel (fp8_attention.py), opt-in
 
 # inputs the Compile node had once, which saved workflows may still set: FluxAccel decides them now (one log line)
@@ -39,7 +41,8 @@ class CompileConfig:
     # compile artifacts and warm-start packages in the compile-cache folder, loaded after a restart
     persistent_cache: bool = True
     # a shape not compiled before compiles in a separate process while the model runs uncompiled (separate.py);
-    # needs persistent_cache, whose packages carry the compiled blocks back
+    # needs persistent_cache, whose packages carry the compiled blocks back. A server started with
+    # $FLUXACCEL_SEPARATE_COMPILE=0 compiles a new shape in its first call instead (from_inputs)
     separate_process: bool = True
 
     def __post_init__(self):
@@ -53,7 +56,8 @@ class CompileConfig:
     def from_inputs(cls, inputs: dict, node: str) -> "CompileConfig":
         """The config of a node's inputs: its own fields taken, inputs the node no longer has said in one log line
         (their setting is decided by FluxAccel now), any other name refused."""
-        return cls(**node_inputs(cls, inputs, REMOVED_INPUTS, node))
+        separate = os.environ.get(SEPARATE_ENV, "1") != "0"
+        return cls(**node_inputs(cls, inputs, REMOVED_INPUTS, node), separate_process=separate)
 
     def summary(self, capture: str) -> str:
         """The config in words (the Compile node's text). capture: '' where each model call is captured into a CUDA
@@ -68,8 +72,9 @@ class CompileConfig:
             f"shapes: {policy}",
             *(["FP8 attention (FlashAttention-3)"] if self.attention == "fp8" else []),
             "compiled shapes saved for the next start" if self.persistent_cache else "no compile cache",
-            *(["a new shape compiles in a separate process while the model runs uncompiled"]
-              if self.separate_process and self.persistent_cache else [])])
+            "a new shape compiles in a separate process while the model runs uncompiled"
+            if self.separate_process and self.persistent_cache else
+            f"a new shape compiles in its first call{f' (${SEPARATE_ENV}=0)' if not self.separate_process else ''}"])
 
     def inductor_options(self, capture: bool) -> dict:
         """Options of FluxAccel's torch.compile calls only (no process-wide inductor/dynamo config changes).

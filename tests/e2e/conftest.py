@@ -11,6 +11,7 @@ from tools.host import CPU_SERVER_ARGS
 MODELS_DIR = ROOT / ".cache" / "models"
 E2E_UNET = "fluxaccel-random-e2e.safetensors"
 E2E_3072_UNET = "fluxaccel-random-e2e-3072.safetensors"  # FLUX.1's own width: where memory per clone must show
+IN_PROMPT = {"FLUXACCEL_SEPARATE_COMPILE": "0"}
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +26,9 @@ def server(e2e_model_file):
     work = Path(tempfile.mkdtemp(prefix="fluxaccel-e2e-"))
     # CPU ComfyUI in bf16, FP8 via torchao's real Float8Tensor path on the CPU (tools/cpu_fp8.py: a test-only
     # custom node lifts torchao's gate in this server)
-    srv = ComfyServer(COMFY_DIR, work, MODELS_DIR, CPU_SERVER_ARGS, cpu_fp8=True)
+    # a new shape compiles in its first call in this server ($FLUXACCEL_SEPARATE_COMPILE=0): the tests check what a
+    # compile does; the separate process has its own server (test_compile_server.py)
+    srv = ComfyServer(COMFY_DIR, work, MODELS_DIR, CPU_SERVER_ARGS, cpu_fp8=True, env=IN_PROMPT)
     srv.start()
     yield srv
     srv.stop()

@@ -14,9 +14,8 @@ pytestmark = pytest.mark.e2e
 def _graph(size=64, compile_=True, text_length=16, tag="c", latent_node="EmptySD3LatentImage"):
     g = flux_inputs(size, text_length, latent_node)
     if compile_:
-        g["4"] = {"class_type": "FluxAccelCompile", "inputs": {"model": ["1", 0], "cuda_graphs": True,
-                                                               "mode": "default", "resolution_policy": "strict",
-                                                               "max_shapes": 4, "separate_process": False}}
+        g["4"] = {"class_type": "FluxAccelCompile", "inputs": {"model": ["1", 0], "resolution_policy": "strict",
+                                                               "max_shapes": 4}}
     g.update(sample_and_save("4" if compile_ else "1", seed=3, steps=2, tag=tag))
     return g
 
@@ -62,23 +61,39 @@ def test_damaged_compile_cache_file_warns_and_recompiles(server, damage):
     g["4"]["inputs"]["max_shapes"] = 3 if damage == "corrupt" else 2  # a new Compile node output: loads the cache
     again = _latent(server, server.run(g))
     log = server.log_path.read_text(errors="replace")
-    assert [log.count(s) - b for s, b in zip(said, before)] == [1, 1, 1], server.log_tail()
+    # one compile-cache file; a warm-start package per kind of block (double, single)
+    assert [log.count(s) - b for s, b in zip(said, before)] == [1, 2, 2], server.log_tail()
     assert torch.equal(again, base)
 
 
-def test_new_shape_runs_uncompiled_while_a_separate_process_compiles_it(server):
-    """The Compile node's default (separate_process): the first prompt of a shape no package exists for runs the
-    model uncompiled -- bit for bit the uncompiled model's latent -- while a separate process compiles the shape (the
-    log names the process); once it is done, the next prompt loads the package it wrote (nothing traced or compiled
-    in the server) and runs compiled."""
+@pytest.fixture(scope="module")
+def default_server(e2e_model_file, tmp_path_factory):
+    """A server as users start it: a new shape compiles in a separate process."""
+    from conftest import COMFY_DIR
+    from tools.comfy_server import ComfyServer
+    from tools.host import CPU_SERVER_ARGS
+
+    from .conftest import MODELS_DIR
+
+    srv = ComfyServer(COMFY_DIR, tmp_path_factory.mktemp("default-server"), MODELS_DIR, CPU_SERVER_ARGS)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_new_shape_runs_uncompiled_while_a_separate_process_compiles_it(default_server):
+    """The Compile node's default: the first prompt of a shape no package exists for runs the model uncompiled -- bit
+    for bit the uncompiled model's latent -- while a separate process compiles the shape (the log names the process);
+    once it is done, the next prompt loads the package it wrote (nothing traced or compiled in the server) and runs
+    compiled."""
     import time
+
+    server = default_server
 
     def graph(seed: int, compile_: bool = True) -> dict:
         g = flux_inputs(48, 12)  # a shape no other test compiles: no package on disk yet
         if compile_:
-            g["4"] = {"class_type": "FluxAccelCompile", "inputs": {"model": ["1", 0], "cuda_graphs": True,
-                                                                   "mode": "default", "resolution_policy": "strict",
-                                                                   "max_shapes": 4}}
+            g["4"] = {"class_type": "FluxAccelCompile", "inputs": {"model": ["1", 0], "resolution_policy": "strict"}}
         g.update(sample_and_save("4" if compile_ else "1", seed=seed, steps=2, tag=f"separate-{seed}-{compile_}"))
         return g
 

@@ -47,7 +47,7 @@ def _check_server_still_works(server, seed=11):
 
 OUR_NODES = {
     "FluxAccelQuantizeFP8": {"granularity": "per_row", "scope": "blocks"},
-    "FluxAccelCompile": {"cuda_graphs": False, "mode": "default", "resolution_policy": "strict", "max_shapes": 4},
+    "FluxAccelCompile": {"resolution_policy": "strict"},
     "FluxAccelWarmup": {"resolutions": "64x64", "batch_size": 1, "text_length": 16, "cfg": 1.0, "steps": 1},
     "FluxAccelBenchmark": {"text_length": 16, "width": 64, "height": 64, "steps": 1, "runs": 1, "seed": 0, "cfg": 1.0,
                            "sampler_name": "euler", "scheduler": "simple", "label": ""},
@@ -77,22 +77,21 @@ def _rejected(server, prompt) -> dict:
     return exc.value.body
 
 
-@pytest.mark.parametrize("bad", ["unknown granularity", "unknown layout", "unknown policy", "out of range",
+@pytest.mark.parametrize("bad", ["unknown granularity", "unknown mode", "unknown policy", "out of range",
                                  "wrong input type", "bad resolutions"])
 def test_malformed_api_prompt_gets_comfyui_validation_error(server, bad):
     g = flux_inputs()
     g["4"] = {"class_type": "FluxAccelQuantizeFP8", "inputs": {"model": ["1", 0], "granularity": "per_row",
                                                                "scope": "blocks"}}
-    g["7"] = {"class_type": "FluxAccelCompile", "inputs": {"model": ["4", 0], "cuda_graphs": False, "mode": "default",
-                                                           "resolution_policy": "strict", "max_shapes": 4,
-                                                           "separate_process": False}}
+    g["7"] = {"class_type": "FluxAccelCompile", "inputs": {"model": ["4", 0], "mode": "default",
+                                                           "resolution_policy": "strict", "max_shapes": 4}}
     g.update(sample_and_save("7", seed=1, steps=1, tag="bad"))
     if bad == "unknown granularity":
         g["4"]["inputs"]["granularity"] = "per_block"
         node, field = "4", "granularity"
-    elif bad == "unknown layout":
-        g["4"]["inputs"]["layout"] = "packed"
-        node, field = "4", "layout"
+    elif bad == "unknown mode":
+        g["7"]["inputs"]["mode"] = "fastest"
+        node, field = "7", "mode"
     elif bad == "unknown policy":
         g["7"]["inputs"]["resolution_policy"] = "any"
         node, field = "7", "resolution_policy"

@@ -12,7 +12,7 @@ from fluxaccel.core.bench.metrics import rel_err
 from tools.comfy_server import ComfyServer
 from tools.host import CPU_SERVER_ARGS
 
-from .conftest import E2E_UNET, MODELS_DIR, sample_and_save, saved_latent
+from .conftest import E2E_UNET, IN_PROMPT, MODELS_DIR, sample_and_save, saved_latent
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +25,7 @@ def logged_server(e2e_model_file):
 
     write_flux_file(MODELS_DIR / "diffusion_models" / SCHNELL_UNET, "e2e-schnell")
     work = Path(tempfile.mkdtemp(prefix="fluxaccel-2shapes-"))
-    srv = ComfyServer(COMFY_DIR, work, MODELS_DIR, CPU_SERVER_ARGS, env={"TORCH_LOGS": "recompiles"}).start()
+    srv = ComfyServer(COMFY_DIR, work, MODELS_DIR, CPU_SERVER_ARGS, env={"TORCH_LOGS": "recompiles", **IN_PROMPT}).start()
     yield srv
     srv.stop()
 
@@ -38,9 +38,8 @@ def _branches(prefix: str, unet: str, size: int, seed: int) -> dict:
         n(2): {"class_type": "FluxAccelSyntheticConditioning",
                "inputs": {"model": [n(1), 0], "text_length": 16, "guidance": 3.5, "seed": 0}},
         n(3): {"class_type": "EmptySD3LatentImage", "inputs": {"width": size, "height": size, "batch_size": 1}},
-        n(4): {"class_type": "FluxAccelCompile", "inputs": {"model": [n(1), 0], "cuda_graphs": True, "mode": "default",
-                                                            "resolution_policy": "strict", "max_shapes": 1,
-                                                            "separate_process": False}},
+        n(4): {"class_type": "FluxAccelCompile", "inputs": {"model": [n(1), 0], "resolution_policy": "strict",
+                                                            "max_shapes": 1}},
     }
     for model, k, save in ((n(4), n(5), n(6)), (n(1), n(7), n(8))):
         g.update(sample_and_save(model, seed, 2, f"{prefix}{seed}", ksampler=k, save=save, cond=n(2), latent=n(3)))
