@@ -6,8 +6,8 @@
 #        or:  bash bench/device.sh --reliability   (tools/reliability.py: interrupt, /free, 50 prompts on the GPU)
 #        or:  bash bench/device.sh --first-prompts --case klein9b-1024-4   (tools/first_prompts.py)
 # Results land in $OUT/results (the run's JSON only: at most 8 files come back from a call), the ComfyUI log in $OUT;
-# the per-node tables and charts stay on the machine in /tmp/fluxaccel-results. FLUXACCEL_PROBES=1 first runs
-# bench/probes/*. Several cases in one call: --cases "a b" (each with the same other arguments).
+# the per-node tables and charts stay on the machine in /tmp/fluxaccel-results. Several cases in one call: --cases
+# "a b" (each with the same other arguments).
 set -euo pipefail
 source .gpu033/setup-on-device.sh
 export FLUXACCEL_HOST_NO_INSTALL=1
@@ -17,10 +17,6 @@ export FLUXACCEL_CACHE_DIR=${FLUXACCEL_CACHE_DIR:-/tmp/fluxaccel-cache}
 nvidia-smi dmon -s pucm -d 1 > "$OUT/dmon-$(date +%s).log" 2>&1 &
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 mkdir -p "$OUT/results"
-if [ -n "${FLUXACCEL_PROBES:-}" ]; then
-  PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync python3 bench/probes/cuda_graphs_allocator.py 2>&1 | grep PROBE || true
-  python3 bench/probes/cuda_graphs_allocator.py 2>&1 | grep PROBE || true
-fi
 if [ "${1:-}" = "--reliability" ]; then  # the GPU reliability cases instead of a benchmark
   shift
   exec python3 tools/reliability.py "$@" --out "$OUT/results" --models-dir /tmp/fluxaccel-models

@@ -15,7 +15,7 @@ import torch
 from .errors import FluxAccelError
 
 # torch.compiler.save_cache_artifacts (persistent compile cache) and the Float8Tensor dispatch torchao 0.17+
-# relies on need torch 2.8; the project is tested on 2.11 (H200) and 2.14 (CPU).
+# relies on need torch 2.8.
 TORCH_MIN = (2, 8)
 TORCHAO_MIN = (0, 17)
 TORCHAO_MAX_EXCLUSIVE = (0, 19)

@@ -22,7 +22,7 @@ register()
 from tools import host  # noqa: E402
 
 COMFY_DIR = host.import_comfy(host.comfy_dir())
-COMFY_VERSION = host.comfy_version(COMFY_DIR)  # the host under test: 0.33.0 or 0.3.75 (FLUXACCEL_COMFYUI)
+COMFY_VERSION = host.comfy_version(COMFY_DIR)  # the host under test
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -5,7 +5,7 @@
 
 Model: the e2e FLUX file (FLUX.1 width 3072, 1 double + 1 single block, random weights), Quantize FP8 per-row ->
 Compile + CUDA Graph (strict) -> KSampler, 512x512 and 256 tokens on a GPU (64x64 and 16 tokens on a CPU).
-Cases (issue: reliability, items 4, 5 and 7):
+Cases:
   interrupt     /interrupt during sampling; the next prompt equals the reference, with the captured graphs
   free_reload   /free unloads the model; the rerun equals the reference
   unload_keep_cache  /free unloads the model but keeps the node cache: the same compiled model on reloaded weights

@@ -7,8 +7,8 @@ sampler runs it, in three variants:
 - + row bytes: the bytes the step's norm / modulation / RoPE / activation / quantization / residual kernels read and
   write (~30 GB, counted from their tensors), moved by plain casts, adds and one absmax each: what those kernels
   would cost at a simple kernel's memory rate.
-While each runs, nvidia-smi samples the SM clock and the board power every 100 ms. The model's own step (kernel
-profile in bench/NOTES.md) compares with these: what the GEMMs and attention alone take at the power limit, and what
+While each runs, nvidia-smi samples the SM clock and the board power every 100 ms. The model's own step (its kernel
+profile, torch.profiler) compares with these: what the GEMMs and attention alone take at the power limit, and what
 is left for the rest.
 
 Run on the device:  python3 bench/probes/step_floor.py [--out DIR]   (the fa3-fwd wheel importable for attention)

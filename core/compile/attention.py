@@ -1,8 +1,7 @@
 """The attention FLUX runs inside FluxAccel's compiled model: PyTorch SDPA with cuDNN's fused attention first.
 
-ComfyUI 0.33 asks SDPA for FlashAttention first, then cuDNN (comfy/ops.py, SDPA_BACKEND_PRIORITY); 0.3.75 asked
-for cuDNN first. On Hopper cuDNN is twice as fast at FLUX's shape (H200, (1, 24, 4608, 128) bf16: cuDNN 0.40 ms,
-flash 0.79 ms, bench/NOTES.md): 57 attention calls per step make that ~22 ms per step at 1024².
+ComfyUI 0.33 asks SDPA for FlashAttention first, then cuDNN (comfy/ops.py, SDPA_BACKEND_PRIORITY). On Hopper
+cuDNN's fused attention is the faster of the two at FLUX's shapes, so FluxAccel's compiled blocks ask for it first.
 
 The compiled clone passes `sdpa_cudnn_first` as ComfyUI's `optimized_attention_override` in the options of its own
 call only: nothing process-wide changes, other branches keep ComfyUI's attention, and an override the workflow set

@@ -2,8 +2,7 @@
 for all of the sampler's sigmas, instead of at every model call.
 
 A FLUX.1 block's modulation is a Linear of SiLU(vec) with M = 1 (a row per batch entry): at every step each of the 76
-modulations reads its whole weight for one row (FLUX.1-dev: 3.2 billion bf16 weights, 6.4 GB per step, ~2.3 ms per
-step on an H200 at 1024², bench/NOTES.md). `vec` depends only on the timestep, the guidance and the pooled text vector
+modulations reads its whole weight for one row (FLUX.1-dev: 3.2 billion bf16 weights, 6.4 GB per step). `vec` depends only on the timestep, the guidance and the pooled text vector
 `y`, and the sampler's sigmas are known before its first call (transformer_options["sample_sigmas"]). So at the first
 model call of a sampling run the table computes vec for every sigma and each modulation for all those rows at once:
 each weight read once per prompt.
@@ -179,8 +178,7 @@ def _weights_read(dm: torch.nn.Module, modules: list) -> tuple:
 
 class BuildGraph:
     """The build's device work (_rows_through: the vector MLPs of its rows, then one GEMM per modulation) as one CUDA
-    graph over CAPACITY rows on a GPU: one launch where ~120 cost 3-7 ms of host time before the run's first call
-    could start. Captured at the first build, and again where ComfyUI has moved the weights (the graph reads the
+    graph over CAPACITY rows on a GPU: one launch where ~120 would delay the run's first call. Captured at the first build, and again where ComfyUI has moved the weights (the graph reads the
     addresses it captured) or the rows come in other dtypes. Elsewhere, or after a failed capture (said once, in the
     stats too), op by op."""
 

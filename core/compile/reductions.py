@@ -2,10 +2,9 @@
 
 Inductor loops over rows above 1,024 elements (64 for reductions it cannot classify as rows). FLUX's LayerNorm +
 modulation + FP8 quantization kernels reduce rows of 3,072 (FLUX.1) and 6,144 (FLUX.2 [dev]) and its per-head RMS
-norms fall in the second group: all run faster persistent. H200, one FLUX.1-dev double + single block, FP8 per-row:
-−3.0 ms per step of device time (−2.6 ms with the fused GELU kernel); FLUX.2 [dev]'s blocks: −10.3 ms per step (wall
-estimate) with rows up to 8,192 against 4,096. The GELU's own 12,288-wide rows were slower persistent, so the limit
-stays below them (bench/NOTES.md, 2026-12-03). Decided at compile time, so a warm-start package holds plain kernels.
+norms fall in the second group: all run faster persistent, up to rows of 8,192. The GELU's own 12,288-wide rows
+were slower persistent, so the limit stays below them. Decided at compile time, so a warm-start package holds plain
+kernels.
 """
 from __future__ import annotations
 

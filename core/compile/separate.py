@@ -1,8 +1,8 @@
 """Compile in a separate process: a shape's first call starts a process that compiles it into its warm-start package
 while this process runs the model uncompiled; the first model call after the package is on disk loads it.
 
-Why: on a fresh machine the first compile of FLUX.1-dev is about a minute of single-threaded Python (tracing, AOT,
-lowering; bench/NOTES.md), and a thread of this process would stall ComfyUI's own Python (the interpreter lock). In
+Why: on a fresh machine the first compile of FLUX.1-dev is tens of seconds of single-threaded Python (tracing, AOT,
+lowering), and a thread of this process would stall ComfyUI's own Python (the interpreter lock). In
 a process of its own the compile runs beside the first prompt: that prompt runs at uncompiled speed, and the compiled
 model takes over at the sampler's next model call once the package is written (mid-prompt or in the next prompt).
 

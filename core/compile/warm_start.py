@@ -1,7 +1,7 @@
 """Warm start: each compiled shape saved with dynamo's trace, so that a restarted ComfyUI runs without tracing again.
 
-The compile cache (compile_cache.py) keeps inductor's artifacts, but every new process still re-traces the model
-with dynamo and rebuilds its guards (H200, FLUX.1-dev: 19 of a cached start's 22 s). A warm-start package is
+The compile cache (kernel_cache.py) keeps inductor's artifacts, but every new process still re-traces the blocks
+with dynamo and rebuilds its guards, most of a cached start's time. A warm-start package is
 `torch.compile(...).aot_compile()`'s output instead: the traced bytecode and the compiled graph of one call signature,
 loaded in a new process and called with the live model as its `self` -- its weights are read from the loaded
 model at each call (LoRA-merged and FP8 weights stay ComfyUI's), nothing is baked into the file.

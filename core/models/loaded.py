@@ -10,7 +10,6 @@
     our compile, and our compiled call runs with a recording paused (upstream/comfy_internals.py).
   * weights that are already tensor subclasses other than torchao's (mixed-precision / scaled-FP8 checkpoints:
     ComfyUI's QuantizedTensor) are found here; fp8_patch decides what to do with them.
-ComfyUI 0.3.75 has none of these: every function here answers "nothing to do" there.
 """
 from __future__ import annotations
 
@@ -61,7 +60,7 @@ def linear_like(mod) -> bool:
 
 def checkpoint_format(mod) -> str:
     """How a checkpoint stored this Linear's weight: e.g. 'float8_e4m3fn (TensorCoreFP8E4M3Layout)'."""
-    qdata = comfy_internals.checkpoint_qdata(getattr(mod, "weight", None))  # 0.3.75 keeps no quant_format on it
+    qdata = comfy_internals.checkpoint_qdata(getattr(mod, "weight", None))
     fmt = getattr(mod, "quant_format", None) or (str(qdata.dtype).replace("torch.", "")
                                                  if isinstance(qdata, torch.Tensor) else "quantized")
     layout = getattr(mod, "layout_type", None)

@@ -3,7 +3,7 @@ per block.
 
 ComfyUI applies a clone's object patches with one `set_attr` per key, and 0.33's `load_models_gpu` undoes and redoes
 all of them at every prompt (`partially_load`). Swapping each Linear through its own patch made that 380 keys for a
-compiled FLUX.1 (~6 ms of host time per prompt); swapping each block as a whole makes it 57. A block's patch is a copy
+compiled FLUX.1, each one host time in every prompt; swapping each block as a whole makes it 57. A block's patch is a copy
 of the block as the model has it (no clone's patches applied) in which the modules on the path to each swapped
 module are shallow copies: new module objects over the same parameters, their own child lists. The original block,
 and every other branch of the workflow, keep their modules; the copy shares every module it does not swap.

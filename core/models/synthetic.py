@@ -77,7 +77,7 @@ def _params_class(image_model: str):
 
 def unet_config(shape: str | dict) -> dict:
     """The unet_config ComfyUI's own detection would give this shape on the running host: the parameters its
-    architecture's dataclass takes there (0.3.75's FluxParams takes no txt_ids_dims; FLUX.2's flags need 0.33)."""
+    architecture's dataclass takes there."""
     try:
         cfg = dict(shape) if isinstance(shape, dict) else dict(SHAPES[shape])
     except KeyError:
@@ -121,7 +121,7 @@ def init_random_(module: torch.nn.Module, seed: int = 0) -> None:
     """Seeded random weights of sane scale: Linear weights ~ N(0, 1/fan_in), biases small, norm scales 1."""
     for i, (name, p) in enumerate(module.named_parameters()):
         g = torch.Generator(device=p.device).manual_seed(seed * 100003 + i)
-        if name.endswith(("scale", "_norm.weight")) or ".norms." in name:  # RMSNorm gains: .scale (0.3.75), .weight
+        if name.endswith(("scale", "_norm.weight")) or ".norms." in name:  # RMSNorm gains (.scale in BFL's files)
             p.fill_(1.0)
         elif p.dim() >= 2:
             fan_in = p.shape[1]
@@ -182,8 +182,8 @@ def random_state_dict(shape: str | dict, seed: int = 0, device="cpu"):
         holder = torch.nn.Module()
         holder.register_parameter(name.rsplit(".", 1)[-1], torch.nn.Parameter(t, requires_grad=False))
         init_random_(holder, seed * 7919 + i)
-        # BFL's key names, which both hosts load: ComfyUI 0.33 names the QK-norm gains .weight and renames
-        # *_norm.scale on load (comfy/supported_models.py); 0.3.75 names them .scale
+        # BFL's key names: ComfyUI names the QK-norm gains .weight and renames *_norm.scale on load
+        # (comfy/supported_models.py)
         key = name[: -len(".weight")] + ".scale" if name.endswith("_norm.weight") else name
         yield key, t.cpu().contiguous()
 

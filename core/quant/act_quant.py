@@ -84,7 +84,7 @@ WARPS_PER_ELEMENTS = 1024  # one warp per this many elements of a row (4 to 32 w
 
 
 def num_warps(block: int) -> int:
-    """Warps per row program: enough threads that a row's elements fit in registers (H200: bench/NOTES.md)."""
+    """Warps per row program: enough threads that a row's elements fit in registers."""
     return min(32, max(4, block // WARPS_PER_ELEMENTS))
 
 

@@ -34,7 +34,7 @@ def _missing(name: str, detail: str = "") -> Unavailable:
 
 
 def _prefetch():
-    """comfy.model_prefetch, or None on a ComfyUI without it (0.3.x: no per-block graphs, no model compiler)."""
+    """comfy.model_prefetch, or None on a ComfyUI without it (no per-block graphs, no model compiler)."""
     try:
         import comfy.model_prefetch as prefetch
     except ImportError:
@@ -112,9 +112,9 @@ def flux_math():
 
 
 def flux_plain_rope1():
-    """FLUX's plain-torch RoPE formula (`comfy.ldm.flux.math._apply_rope1`, 0.33+), None on a ComfyUI whose RoPE is
-    plain torch already (0.3.x: no comfy-kitchen RoPE), an Unavailable where RoPE goes through comfy-kitchen but the
-    plain formula is not where FluxAccel looks."""
+    """FLUX's plain-torch RoPE formula (`comfy.ldm.flux.math._apply_rope1`), None on a ComfyUI whose RoPE is plain
+    torch already (no comfy-kitchen RoPE), an Unavailable where RoPE goes through comfy-kitchen but the plain formula
+    is not where FluxAccel looks."""
     fm = flux_math()
     fn = getattr(fm, "_apply_rope1", None)
     if callable(fn):
@@ -138,7 +138,7 @@ def flux_apply_rope_as(fn):
 
 
 def checkpoint_qdata(w) -> torch.Tensor | Unavailable:
-    """The stored data of a ComfyUI QuantizedTensor weight (comfy-kitchen's and 0.3.75's both keep it in `_qdata`)."""
+    """The stored data of a ComfyUI QuantizedTensor weight (comfy-kitchen's keeps it in `_qdata`)."""
     q = getattr(w, "_qdata", None)
     if isinstance(q, torch.Tensor):
         return q
@@ -146,13 +146,11 @@ def checkpoint_qdata(w) -> torch.Tensor | Unavailable:
 
 
 def rms_norm_weight(norm) -> torch.Tensor | Unavailable:
-    """The weight a FLUX QK-norm's RMSNorm multiplies by: comfy.ops' RMSNorm keeps it in `weight` (0.33), the FLUX
-    layers' own RMSNorm in `scale` (0.3.x)."""
-    for name in ("weight", "scale"):
-        w = getattr(norm, name, None)
-        if isinstance(w, torch.Tensor):
-            return w
-    return _missing("RMSNorm.weight / RMSNorm.scale", f"a {type(norm).__name__} QK-norm")
+    """The weight a FLUX QK-norm's RMSNorm multiplies by: comfy.ops' RMSNorm keeps it in `weight`."""
+    w = getattr(norm, "weight", None)
+    if isinstance(w, torch.Tensor):
+        return w
+    return _missing("RMSNorm.weight", f"a {type(norm).__name__} QK-norm")
 
 
 # -- ComfyUI's own torch.compile wrapper ----------------------------------------------------------------------------

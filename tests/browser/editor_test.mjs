@@ -1,4 +1,4 @@
-// Drives the real ComfyUI editor (the frontend the host pins: 1.49 for ComfyUI 0.33, 1.32 for 0.3.75) in Debian's headless Chromium against a
+// Drives the real ComfyUI editor (the frontend ComfyUI 0.33 pins, 1.49) in Debian's headless Chromium against a
 // ComfyUI server with FluxAccel on 127.0.0.1. Run by tests/e2e/test_browser.py, which asserts on the JSON this
 // prints last. Env: COMFY_URL, E2E_UNET (a FLUX file the server's UNETLoader lists), ARTIFACTS (screenshots),
 // CHROMIUM (default /usr/bin/chromium).
@@ -54,8 +54,7 @@ try {
       .filter(([k]) => k.startsWith("FluxAccel")).map(([k, v]) => [k, v.category])));
   // a double click on empty canvas opens the search box; on a loaded machine it can take a while to appear, or a
   // late dialog can swallow the click, so wait for the box itself and try again (Escape closes whatever is open)
-  // the v1 search box (frontend 1.32, ComfyUI 0.3.75) or the default one of frontend 1.49 (ComfyUI 0.33: an input
-  // above the #results-list listbox)
+  // the search box: an input above the #results-list listbox (the older frontends' box is matched too)
   const searchInput = page.locator(
     ".comfy-vue-node-search-container input, [role=dialog]:has(#results-list) input, input[aria-controls=results-list]",
   ).first();

@@ -17,7 +17,6 @@ import comfy.ldm.flux.layers as flux_layers
 import pytest
 import torch
 
-from conftest import COMFY_VERSION
 from fluxaccel.core.bench.metrics import rel_err
 from fluxaccel.core.compile import mod_table
 from fluxaccel.core.compile.config import CompileConfig
@@ -32,8 +31,6 @@ from support.runs import sample as _sample
 from support.shapes import TINY_FLUX2
 
 ROOT = Path(__file__).resolve().parents[3]
-READ = COMFY_VERSION == "0.33.0"  # the ComfyUI whose modulation and vector lines the table reads
-needs_read = pytest.mark.skipif(not READ, reason=f"the table reads ComfyUI 0.33.0's source; this is {COMFY_VERSION}")
 
 
 def _operands(seed=0, b=3, d=40, n=24, rows=(1, -1, 0)):
@@ -91,7 +88,6 @@ def test_the_triton_kernel_in_tritons_interpreter(tmp_path):
     assert result["copied"] and result["computed"] < 2 ** -6, result
 
 
-@needs_read
 def test_the_source_it_reads_is_known_and_another_is_named(tiny_flux, monkeypatch):
     dm = tiny_flux.model.diffusion_model
     assert mod_table.why_not(dm) == ""
@@ -105,7 +101,6 @@ def test_the_source_it_reads_is_known_and_another_is_named(tiny_flux, monkeypatc
         "comfy.ldm.flux.layers.Modulation.forward is not a modulation forward FluxAccel has read")
 
 
-@needs_read
 def test_it_is_off_and_says_why_with_fp8_modulation_weights_or_a_lora_and_on_where_it_can_run(tiny_flux, cpu_fp8):
     fp8 = apply_fp8(tiny_flux, Fp8Config(scope="blocks+modulation"))[0]
     model, compiled = apply_compile(fp8, CompileConfig(separate_process=False))  # off, said in the text and the stats
@@ -127,7 +122,6 @@ def test_it_is_off_and_says_why_with_fp8_modulation_weights_or_a_lora_and_on_whe
     assert not apply_compile(flux2, CompileConfig(separate_process=False))[1].stats.degradations
 
 
-@needs_read
 def test_sampling_runs_look_up_every_euler_call_and_equal_the_uncompiled_model():
     """float32 (compare whole runs): euler's calls are all looked up (one row per batch entry and step, counted on
     the device), dpm_2's midpoint calls computed; each run equals the uncompiled model's; a second run builds its
@@ -158,7 +152,6 @@ def test_sampling_runs_look_up_every_euler_call_and_equal_the_uncompiled_model()
     assert torch.equal(table.rows, torch.full_like(table.rows, -1)), "rows are -1 between calls"
 
 
-@needs_read
 def test_a_table_shorter_than_the_run_says_so_and_computes_the_rest(monkeypatch):
     monkeypatch.setattr(mod_table, "CAPACITY", 2)
     base = build_flux("tiny", dtype=torch.float32)
@@ -173,7 +166,6 @@ def test_the_modulation_it_stands_in_for_is_comfyuis(tiny_flux):
     assert all(type(m) is flux_layers.Modulation for _, m in mod_table.modulations(tiny_flux.model.diffusion_model))
 
 
-@needs_read
 def test_the_model_with_its_table_rebuilds_in_another_process_from_its_skeleton(tiny_flux):
     """What a separate compile process gets: the module tree with the table's modules and keys by layout; the
     sigma-to-timestep function (ComfyUI's model_sampling, a class made inside a function) is left out."""
@@ -193,7 +185,6 @@ def test_the_model_with_its_table_rebuilds_in_another_process_from_its_skeleton(
     assert callable(compiled.runner.mod_table.timestep_of), "the model's own table keeps its function"
 
 
-@needs_read
 def test_bf16_the_table_computes_each_input_in_the_dtype_the_call_gets_it_in():
     """bf16: ComfyUI casts the guidance to the model's dtype before FLUX embeds it (x 1000: 3504 for 3.5 in bf16),
     so the table embeds it in that dtype too. Sampling with the table equals sampling without it, both compiled, to
@@ -223,7 +214,6 @@ def _stand_in_capture(run):
     return _Replay(run), run()
 
 
-@needs_read
 def test_the_build_is_one_graph_captured_again_where_the_weights_moved_and_a_failure_is_said(caplog):
     """The build's vector MLPs and GEMMs through a capture (a stand-in on the CPU): captured at the first build,
     replayed by the next run's with that run's rows, captured again once ComfyUI has moved a modulation's or a vector
@@ -257,7 +247,6 @@ def test_the_build_is_one_graph_captured_again_where_the_weights_moved_and_a_fai
     assert table.counts()["rows_from_table"] == 5 * 3 + 4 and table.counts()["rows_computed"] == 0
 
 
-@needs_read
 def test_weights_patched_at_every_call_run_as_comfyuis_linear_and_are_not_looked_up(caplog):
     """ComfyUI patches some weights at every call (a module's weight_function, set when it loads the model; e.g. a
     LoRA after the Compile node): the table, which reads weights as stored, is then not used, said once; that
@@ -282,7 +271,6 @@ def test_weights_patched_at_every_call_run_as_comfyuis_linear_and_are_not_looked
         table.rows.fill_(-1)
 
 
-@needs_read
 def test_compiled_again_or_while_another_clones_table_is_loaded_and_removed_with_the_compile(tiny_flux):
     """A second Compile node on a compiled model, or on the base model while a compiled clone's table is in the live
     tree, gets a table of its own over ComfyUI's modulations; removing the compile (the Benchmark's baseline) leaves
@@ -306,7 +294,6 @@ def test_compiled_again_or_while_another_clones_table_is_loaded_and_removed_with
     assert isinstance(swaps.get(again, "diffusion_model.single_blocks.0.modulation"), mod_table.TableModulation)
 
 
-@needs_read
 def test_weights_stored_in_another_dtype_than_the_compute_dtype():
     """ComfyUI on a CPU stores bf16 weights and computes in float32 (its manual cast): the table's values are in the
     compute dtype and the operator casts the stored weights as ComfyUI's ops do."""

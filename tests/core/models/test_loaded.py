@@ -1,5 +1,5 @@
-"""core/comfy_compat.py against ComfyUI 0.33's real classes: dynamic VRAM's non-dynamic delegate, core's per-block
-CUDA-graph registry. ComfyUI 0.3.75 has neither: there the tests check that nothing is done.
+"""core/models/loaded.py and resident.py against ComfyUI 0.33's real classes: dynamic VRAM's non-dynamic delegate,
+core's per-block CUDA-graph registry.
 
 ModelPatcherDynamic cannot be constructed on a CPU machine (ModelPatcherDynamic.__new__ returns a plain ModelPatcher
 for CPU load devices, and its __init__ needs comfy-aimdo's native library): `dynamic_patcher` builds an instance of
@@ -10,7 +10,6 @@ comfy.sd.load_diffusion_model where FluxAccel cannot share the weights).
 import pytest
 import torch
 
-from conftest import COMFY_VERSION
 from fluxaccel.core.models import loaded as comfy_compat
 from fluxaccel.core.models import resident
 from fluxaccel.core.compile.config import CompileConfig
@@ -20,8 +19,6 @@ from fluxaccel.core.quant.fp8 import Fp8Config
 from fluxaccel.core.quant.patch import FP8_KEY, apply_fp8
 from support.runs import denoise_once
 
-ON_033 = COMFY_VERSION != "0.3.75"
-needs_033 = pytest.mark.skipif(not ON_033, reason="ComfyUI 0.3.75 has no dynamic VRAM / core per-block CUDA graphs")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +47,6 @@ def test_plain_models_are_used_as_they_are(tiny_flux):
     assert comfy_compat.resident(tiny_flux, "node") is tiny_flux
 
 
-@needs_033
 def test_dynamic_model_is_quantized_on_its_resident_delegate(cpu_fp8, e2e_file):
     dyn = dynamic_patcher(e2e_file)
     assert comfy_compat.is_dynamic(dyn)
@@ -70,7 +66,6 @@ def test_dynamic_model_is_quantized_on_its_resident_delegate(cpu_fp8, e2e_file):
     assert torch.equal(denoise_once(fp8, hw=8), denoise_once(ref, hw=8))
 
 
-@needs_033
 def test_dynamic_model_is_compiled_on_its_resident_delegate(e2e_file):
     dyn = dynamic_patcher(e2e_file)
     clone, compiled = apply_compile(dyn, CompileConfig(separate_process=False))
@@ -78,7 +73,6 @@ def test_dynamic_model_is_compiled_on_its_resident_delegate(e2e_file):
     assert compiled_of(dyn) is None and compiled._dm is clone.model.diffusion_model
 
 
-@needs_033
 def test_resident_copy_shares_the_dynamic_models_weights(e2e_file):
     """No second host copy: the resident model's parameters hold the dynamic model's storage, in new module and
     parameter objects, without what dynamic loading leaves on modules; changing the copy leaves the original as it
@@ -103,7 +97,6 @@ def test_resident_copy_shares_the_dynamic_models_weights(e2e_file):
     assert all(p.dtype == torch.bfloat16 and torch.equal(p, before[n]) for n, p in dyn.model.named_parameters())
 
 
-@needs_033
 def test_dynamic_model_without_a_file_to_reload_is_shared(cpu_fp8, e2e_file):
     """A loader that registered no cached_patcher_init (e.g. weights built in memory): the shared copy needs none."""
     dyn = dynamic_patcher(e2e_file, with_init=False)
@@ -122,7 +115,6 @@ def _not_as_stored(dyn, monkeypatch):
     return dyn
 
 
-@needs_033
 def test_where_the_weights_cannot_be_shared_comfyuis_reload_is_used_and_said(e2e_file, monkeypatch, caplog):
     from fluxaccel.core import upstream
 
@@ -142,7 +134,6 @@ def test_where_the_weights_cannot_be_shared_comfyuis_reload_is_used_and_said(e2e
     upstream.forget()
 
 
-@needs_033
 def test_blocks_captured_by_core_cuda_graphs_are_refused(tiny_flux):
     import comfy.model_prefetch
 
@@ -155,10 +146,3 @@ def test_blocks_captured_by_core_cuda_graphs_are_refused(tiny_flux):
     finally:
         comfy.model_prefetch.GRAPH_WARMED_MODULES.discard(block)
     assert comfy_compat.core_block_graphs(tiny_flux.model.diffusion_model) == []
-
-
-def test_flux_forward_leaves_core_cuda_graph_registry_empty(tiny_flux):
-    """FLUX's forward does not use core's per-block graphs: no capture inside ours (both hosts: nothing to find)."""
-    clone, _ = apply_compile(tiny_flux, CompileConfig(separate_process=False))
-    denoise_once(clone, hw=8)
-    assert comfy_compat.core_block_graphs(clone.model.diffusion_model) == []

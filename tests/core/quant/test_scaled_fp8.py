@@ -4,7 +4,7 @@ here in that format from the e2e bf16 file and loaded by ComfyUI's own loader (c
 import pytest
 import torch
 
-from conftest import COMFY_VERSION, ROOT
+from conftest import ROOT
 from fluxaccel.core.models import loaded as comfy_compat
 from fluxaccel.core.compile.config import CompileConfig
 from fluxaccel.core.compile.patch import apply_compile
@@ -15,10 +15,6 @@ from support.runs import denoise_once
 from fluxaccel.core.bench.metrics import rel_err
 
 MODELS = ROOT / ".cache" / "models" / "diffusion_models"
-# 0.3.75's detection takes FLUX.1's 24 heads whatever the file's width (the test file is 256 wide), and it has no
-# mixed-precision loader
-pytestmark = pytest.mark.skipif(COMFY_VERSION == "0.3.75", reason="ComfyUI 0.3.75 loads only 3072-wide FLUX files "
-                                "and has no mixed-precision (scaled-FP8) loader")
 BF16 = {"dtype": torch.bfloat16}  # the mixed-precision model computes in float32 on the CPU otherwise
 
 
@@ -45,9 +41,7 @@ def test_comfyui_loads_the_file_as_quantized_tensors(files):
     qkv = dm.double_blocks[0].img_attn.qkv
     assert comfy_compat.is_checkpoint_quantized(qkv.weight) and comfy_compat.linear_like(qkv)
     assert not isinstance(qkv, torch.nn.Linear)  # MixedPrecisionOps' own Linear
-    # the layout's name differs: TensorCoreFP8E4M3Layout on 0.33, TensorCoreFP8Layout on 0.3.75
-    assert comfy_compat.checkpoint_format(qkv) in ("float8_e4m3fn (TensorCoreFP8E4M3Layout)",
-                                                   "float8_e4m3fn (TensorCoreFP8Layout)")
+    assert comfy_compat.checkpoint_format(qkv) == "float8_e4m3fn (TensorCoreFP8E4M3Layout)"
     assert not comfy_compat.is_checkpoint_quantized(dm.final_layer.linear.weight)
 
 

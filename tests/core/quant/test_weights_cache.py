@@ -7,7 +7,6 @@ import threading
 import pytest
 import torch
 
-from conftest import COMFY_VERSION
 from fluxaccel.core.quant import patch as fp8_patch
 from fluxaccel.core.quant import weights_cache
 from fluxaccel.core.quant.fp8 import Fp8Config
@@ -15,8 +14,6 @@ from fluxaccel.core.quant.patch import apply_fp8
 from support.runs import denoise_once
 from support.shapes import TINY
 
-pytestmark = pytest.mark.skipif(COMFY_VERSION == "0.3.75", reason="ComfyUI 0.3.75 registers no source file "
-                                "(cached_patcher_init) on a loaded model: nothing is cached there")
 
 
 @pytest.fixture

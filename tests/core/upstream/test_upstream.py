@@ -115,10 +115,7 @@ def test_source_file_missing(tiny_file_model):
 
     from pathlib import Path
 
-    from conftest import COMFY_VERSION
-
-    source = comfy_internals.source_file(tiny_file_model)  # UNETLoader's loader registers it (0.33)
-    assert isinstance(source, Path) if COMFY_VERSION != "0.3.75" else isinstance(source, Unavailable)
+    assert isinstance(comfy_internals.source_file(tiny_file_model), Path)  # UNETLoader's loader registers it
     bare = SimpleNamespace(patches={})
     missing = comfy_internals.source_file(bare)
     assert isinstance(missing, Unavailable) and "cached_patcher_init" in str(missing)
@@ -145,24 +142,21 @@ def test_checkpoint_qdata_missing():
     assert checkpoint_format(SimpleNamespace(weight=torch.zeros(2, 2))) == "quantized"
 
 
-def test_rms_norm_weight_under_either_name_or_missing(tiny_flux):
-    """The QK-norm's weight: the ComfyUI under test's own RMSNorm (0.33 `weight`, 0.3.x `scale`), an RMSNorm keeping it
-    as `scale`, and one keeping it under neither name (FP8 attention then says why its bound is not used)."""
+def test_rms_norm_weight_or_missing(tiny_flux):
+    """The QK-norm's weight: ComfyUI's own RMSNorm keeps it in `weight`; an RMSNorm without it answers "not
+    available" (FP8 attention then says why its bound is not used)."""
     from fluxaccel.core.compile import fp8_attention
 
     block = tiny_flux.model.diffusion_model.double_blocks[0]
     norm = block.img_attn.norm.query_norm
     own = comfy_internals.rms_norm_weight(norm)
-    assert isinstance(own, torch.Tensor) and own is getattr(norm, "weight", getattr(norm, "scale", None))
-    legacy = torch.nn.Module()
-    legacy.scale = torch.nn.Parameter(torch.ones(8))
-    assert comfy_internals.rms_norm_weight(legacy) is legacy.scale
+    assert isinstance(own, torch.Tensor) and own is norm.weight
     got = comfy_internals.rms_norm_weight(torch.nn.Module())
-    assert isinstance(got, Unavailable) and "RMSNorm.weight / RMSNorm.scale" in str(got)
+    assert isinstance(got, Unavailable) and "RMSNorm.weight" in str(got)
     block.img_attn.norm.query_norm = torch.nn.Module()
     try:
         assert fp8_attention.qk_scales(block) is None
-        assert "RMSNorm.weight / RMSNorm.scale" in fp8_attention.why_no_qk_bound(block)
+        assert "RMSNorm.weight" in fp8_attention.why_no_qk_bound(block)
     finally:
         block.img_attn.norm.query_norm = norm
 
