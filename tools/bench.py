@@ -158,7 +158,7 @@ def server_start() -> tuple[str, str]:
     """How this run's ComfyUI starts: "fresh" (FluxAccel's compile cache and inductor's both empty or absent: a new
     machine), "new-cache" (FluxAccel's cache empty, but torch compiled on this machine before: inductor's cache holds
     kernels) or "restart" (FluxAccel's cache holds earlier compiles); and what was seen."""
-    from fluxaccel.core.compile.kernel_cache import default_dir
+    from fluxaccel.core.cache.folder import default_dir
 
     folder, inductor = default_dir(), inductor_cache_dir()
     entries = list(folder.iterdir()) if folder.is_dir() else []

@@ -20,7 +20,8 @@ sys.path.insert(0, str(ROOT))
 from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
 register()
 
-from fluxaccel.core.compile.kernel_cache import ENV_DIR, clear  # noqa: E402
+from fluxaccel.core.cache.clear import clear
+from fluxaccel.core.cache.folder import ENV_DIR  # noqa: E402
 
 PLUGIN = Path(os.path.abspath(__file__)).parents[1]  # as installed (not resolved: a linked plugin counts where linked)
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from tools.plugin import register  # noqa: E402  (the plugin as the package fluxaccel)
 register()
 
-from fluxaccel.core.compile.warm_start import SUFFIX  # noqa: E402
+from fluxaccel.core.cache.packages import SUFFIX  # noqa: E402
 from tools.comfy_server import ComfyServer  # noqa: E402
 
 log = logging.getLogger("fluxaccel.prebuild")

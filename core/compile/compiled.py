@@ -70,8 +70,8 @@ class CompiledFlux(torch.nn.Module):
         """The kernel cache (kernel_cache.py) and the warm-start packages (warm_start.py), as the config asks."""
         if not self.cfg.persistent_cache:
             return None, None
-        from .kernel_cache import KernelCache
-        from .warm_start import Packages, WarmStart, available
+        from ..cache.kernels import KernelCache
+        from ..cache.packages import Packages, WarmStart, available
 
         cache = KernelCache(key)
         self.stats.cache_loaded = cache.load()

@@ -19,7 +19,7 @@ from ..upstream import Unavailable, comfy_internals, torch_internals
 from . import mod_table, single_block
 from .compiled import CompiledFlux, Setup
 from .config import CompileConfig
-from .kernel_cache import cache_key
+from .keys import cache_key
 from .staging import staging_wrapper
 
 log = logging.getLogger("fluxaccel.compile")
@@ -96,28 +96,6 @@ def _install(clone, compiled: CompiledFlux):
     return clone, compiled
 
 
-def model_variant(model) -> str:
-    """What the compiled blocks depend on beyond the base module's parameters: FluxAccel's FP8 config and the
-    modules other object patches swap in at load time (the persistent compile cache is keyed by it)."""
-    from ..quant.patch import fp8_state
-
-    st = fp8_state(model)
-    patched = swaps.items(model)  # by module key, as FluxAccel's block patches swap them (the cache keys stay)
-    swapped = sorted(k for k, v in patched if isinstance(v, torch.nn.Module))
-    tags = sorted({v.cache_tag for _, v in patched if isinstance(getattr(v, "cache_tag", None), str)})
-    return repr((st.config.key() if st else None, swapped, *([tags] if tags else [])))
-
-
-def model_layout(model) -> str:
-    """What the compiled blocks' parameters look like, read from the patcher rather than the live module tree (which
-    holds whichever clone's patches are applied at the moment): the architecture ComfyUI detected and the storage and
-    compute dtypes. With model_variant it keys the persistent compile cache."""
-    bm = model.model
-    unet = getattr(getattr(bm, "model_config", None), "unet_config", None) or {}
-    return repr((type(bm.diffusion_model).__name__, sorted((k, repr(v)) for k, v in unet.items()),
-                 str(bm.get_dtype()), str(getattr(bm, "manual_cast_dtype", None))))
-
-
 def _modulation_table(clone, flux: FluxModel, compiled_stats_degrade, device) -> object:
     """The modulation table on the clone where the model allows it (mod_table.py); where a FLUX.1 model does not,
     why is said (an architecture without per-block modulations has nothing to say)."""
@@ -189,8 +167,7 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
     degraded = []
     table = _modulation_table(clone, flux, lambda what, why: degraded.append((what, why)), device)
     capture = capture_unavailable(device)
-    key = cache_key(flux.dm, cfg, device, cfg.inductor_options(capture=not capture), model_variant(clone),
-                    model_layout(flux.model))
+    key = cache_key(clone, cfg, device, cfg.inductor_options(capture=not capture))
     compiled = CompiledFlux(flux.dm, cfg, Setup(device, key, capture, flux.scale, flux.references, table))
     if capture and device.type == "cuda":  # on a GPU graphs were expected: said as running below what it could
         compiled.stats.degrade("CUDA graphs", capture)

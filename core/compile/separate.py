@@ -37,11 +37,11 @@ from ..upstream import Unavailable, comfy_internals
 from . import skeleton
 from .blocks import BlockTable
 from .config import CompileConfig
-from .kernel_cache import KernelCache
+from ..cache.kernels import KernelCache
 from .reductions import persistent
 from .rope import torch_rope
 from .runner import recompile_budget
-from .warm_start import NotPackageable, Packages, WarmStart, call_description, portable, signature
+from ..cache.packages import NotPackageable, Packages, WarmStart, call_description, portable, signature
 
 log = logging.getLogger("fluxaccel.compile")
 

@@ -27,7 +27,8 @@ from ..models import swaps
 from ..models.flux import (on_load_callback_type, partial_load_guard, profile, require_bf16_weights, require_flux,
                            require_fully_loaded)
 from .fp8 import Fp8Config, linear_weight_bytes, select_linears
-from . import act_fusion, weights_cache
+from ..cache import fp8_weights
+from . import act_fusion
 from .linear import detached_copy, is_fp8_linear, plain_from_parts, quantize_linear
 
 log = logging.getLogger("fluxaccel.fp8")
@@ -315,12 +316,12 @@ def _quantize_chosen(model, clone, originals: dict, chosen: list[str], cfg: Fp8C
     first one is quantized all the same, and must match what the file holds), else quantized and saved there."""
     merged = _Kept()
     patched = [k for n in chosen for p in ("weight", "bias") if model.patches.get(k := f"diffusion_model.{n}.{p}")]
-    entry = (weights_cache.Entry(None, "the checkpoint is already quantized")
+    entry = (fp8_weights.Entry(None, "the checkpoint is already quantized")
              if any(is_checkpoint_quantized(originals[n].weight) for n in chosen)
-             else weights_cache.entry_for(model, cfg, compute_dtype, patched))
+             else fp8_weights.entry_for(model, cfg, compute_dtype, patched))
     home = _fp8_home(model, device, sum(originals[n].weight.numel() for n in chosen), report)
     t0 = time.perf_counter()
-    stored = weights_cache.load(entry, {n: tuple(originals[n].weight.shape) for n in chosen}, home)
+    stored = fp8_weights.load(entry, {n: tuple(originals[n].weight.shape) for n in chosen}, home)
     keys = [_quantize_one(model, clone, originals[chosen[0]], chosen[0], cfg, device, compute_dtype, report, merged,
                           home)]
     like = clone.object_patches[keys[0]]
@@ -336,7 +337,7 @@ def _quantize_chosen(model, clone, originals: dict, chosen: list[str], cfg: Fp8C
         report.weights_cache = (f"loaded {len(chosen) - 1} Linears from {entry.path} to {home} in "
                                 f"{time.perf_counter() - t0:.2f} s (the first quantized and checked)")
     elif entry.key is not None:
-        weights_cache.save(entry, {n: {"weight": clone.object_patches[k].weight,
+        fp8_weights.save(entry, {n: {"weight": clone.object_patches[k].weight,
                                        "scale": clone.object_patches[k].fp8_weight_scale} for n, k in zip(chosen, keys)})
         report.weights_cache = f"saving to {entry.path}"
     else:

@@ -58,7 +58,7 @@ def test_clean_clone_into_a_fresh_comfyui_starts(tmp_path):
     # tools/clear_cache.py, run as installed, clears this ComfyUI's cache (not the plugin's own test host)
     cache = comfy / "user" / "fluxaccel" / "compile-cache"
     cache.mkdir(parents=True)
-    from fluxaccel.core.compile.kernel_cache import MAGIC
+    from fluxaccel.core.cache.kernels import MAGIC
 
     (cache / "x.bin").write_bytes(MAGIC + b"{}\n")
     (cache / "notes.bin").write_bytes(b"not ours")

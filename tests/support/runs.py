@@ -8,7 +8,7 @@ def clear_compile_counters() -> None:
     """Clear dynamo's counters and the warm-start package counts (what compiled_graphs reads)."""
     from torch._dynamo.utils import counters
 
-    from fluxaccel.core.compile import warm_start
+    from fluxaccel.core.cache import packages as warm_start
 
     counters.clear()
     warm_start.counts.clear()
@@ -19,7 +19,7 @@ def compiled_graphs() -> int:
     warm-start package (which traces nothing: tests share the package folder, conftest.py)."""
     from torch._dynamo.utils import counters
 
-    from fluxaccel.core.compile import warm_start
+    from fluxaccel.core.cache import packages as warm_start
 
     return counters["stats"]["unique_graphs"] + warm_start.counts["loaded"]
 

@@ -8,7 +8,7 @@ from fluxaccel.core.bench.metrics import rel_err
 from fluxaccel.core.compile import separate
 from fluxaccel.core.compile.config import CompileConfig
 from fluxaccel.core.compile.patch import apply_compile, compiled_of
-from fluxaccel.core.compile.warm_start import WarmStart
+from fluxaccel.core.cache.packages import WarmStart
 from fluxaccel.core.patches import describe
 from fluxaccel.core.quant.fp8 import Fp8Config
 from fluxaccel.core.quant.patch import apply_fp8
@@ -108,7 +108,7 @@ def test_without_comfyui_launch_flags_the_shape_compiles_here_and_says_why(fp8_m
 def test_without_warm_start_packages_it_is_refused_at_once(fp8_model, monkeypatch):
     """A torch that cannot save compiled blocks (no AOT compile): no package carries a separate compile back, so a
     new shape compiles in its first call, and that is said."""
-    from fluxaccel.core.compile import warm_start
+    from fluxaccel.core.cache import packages as warm_start
 
     monkeypatch.setattr(warm_start, "available", lambda: (False, "torch 2.8 has no aot_compile"))
     _, compiled = apply_compile(fp8_model, CompileConfig(separate_process=True))

@@ -172,14 +172,14 @@ def test_the_compile_node_says_when_the_forward_is_not_known(cpu_fp8, tiny_flux,
 
 
 def test_the_compile_cache_keys_the_forwards_source(tiny_flux, monkeypatch):
-    from fluxaccel.core.compile.kernel_cache import cache_key
+    from fluxaccel.core.compile.keys import cache_key
 
     dm = tiny_flux.model.diffusion_model
     tag = single_block.cache_tag(dm)
     assert tag == f"single_blocks=fluxaccel:{single_block.source_hash(type(dm.single_blocks[0]))[:16]}"
-    before = cache_key(dm, CFG, torch.device("cpu"), {})
+    before = cache_key(tiny_flux, CFG, torch.device("cpu"), {})
     monkeypatch.setattr(single_block, "source_hash", lambda cls: "f" * 64)
-    assert cache_key(dm, CFG, torch.device("cpu"), {}) != before
+    assert cache_key(tiny_flux, CFG, torch.device("cpu"), {}) != before
 
 
 def test_linear2_refuses_a_pair_split_elsewhere(cpu_fp8, tiny_flux):

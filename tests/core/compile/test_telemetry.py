@@ -17,7 +17,7 @@ def _compiled(outcome=None, graphs=False, per_block=False):
     from pathlib import Path
 
     from fluxaccel.core.compile.blocks import BlockCall
-    from fluxaccel.core.compile.warm_start import Packages, WarmStart
+    from fluxaccel.core.cache.packages import Packages, WarmStart
 
     packages = Packages(WarmStart("k" * 32, Path("unused")), {})
     for k in ((BlockCall(KEY, "double_block"), BlockCall(KEY, "single_block")) if per_block else (KEY,)):

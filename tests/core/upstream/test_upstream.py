@@ -110,7 +110,7 @@ def test_resident_copy_names_missing(monkeypatch, tiny_flux):
 def test_source_file_missing(tiny_file_model):
     """A patcher without cached_patcher_init (a ComfyUI before it, or a custom patcher): no file to key the FP8
     weights cache by, said as such."""
-    from fluxaccel.core.quant import weights_cache
+    from fluxaccel.core.cache import fp8_weights as weights_cache
     from fluxaccel.core.quant.fp8 import Fp8Config
 
     from pathlib import Path
@@ -184,7 +184,7 @@ def test_compile_facts_missing_say_cannot_tell(monkeypatch, tiny_flux, caplog):
     """Timers, OptimizedModule, the artifact manager: a compile still runs and writes its cache file (torch's public
     save_cache_artifacts), and what cannot be told is said, never guessed."""
     from fluxaccel.core.compile import telemetry as cc
-    from fluxaccel.core.compile.kernel_cache import KernelCache
+    from fluxaccel.core.cache.kernels import KernelCache
     from fluxaccel.core.compile.progress import UNKNOWN_PHASE, phase, _counts
 
     hide(monkeypatch, "torch._dynamo.utils.compilation_time_metrics", "torch._dynamo.eval_frame.OptimizedModule",
@@ -205,7 +205,7 @@ def test_compile_facts_missing_say_cannot_tell(monkeypatch, tiny_flux, caplog):
 def test_inductor_config_missing_keeps_package_loads_in_the_first_call(monkeypatch, tmp_path):
     hide(monkeypatch, "torch._inductor.config.triton.cudagraphs")
     assert isinstance(torch_internals.inductor_config_differs({"triton.cudagraphs": False}), Unavailable)
-    from fluxaccel.core.compile.warm_start import Packages, WarmStart
+    from fluxaccel.core.cache.packages import Packages, WarmStart
 
     store = WarmStart("k" * 32, tmp_path)
     store.path("s" * 16).write_bytes(b"x")
@@ -240,7 +240,7 @@ def test_cache_tag_missing_says_caches_may_mix(monkeypatch, caplog):
 
 def test_aot_compile_missing(monkeypatch, tiny_flux):
     monkeypatch.delattr(torch.compiler, "load_compiled_function")
-    from fluxaccel.core.compile import warm_start
+    from fluxaccel.core.cache import packages as warm_start
 
     ok, why = warm_start.available()
     assert not ok and "load_compiled_function" in why

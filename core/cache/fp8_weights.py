@@ -9,7 +9,7 @@ Linears are quantized as usual (and saved again). Files are written to a tempora
 several ComfyUI workers can share the folder. Not cached: models with weight patches (LoRA)
 merged into the quantized Linears, and models that no file identifies (loaded by custom nodes).
 
-Folder: `fp8-weights/` inside FluxAccel's cache folder (kernel_cache.default_dir: ComfyUI's user directory, or
+Folder: `fp8-weights/` inside FluxAccel's cache folder (folder.default_dir: ComfyUI's user directory, or
 $FLUXACCEL_CACHE_DIR; tools/clear_cache.py empties it with the compile cache); $FLUXACCEL_FP8_CACHE=0 turns the cache
 off. A file is about half the size of the quantized Linears' bf16 weights (FLUX.1-dev: 8 GiB); the least recently
 used files go once the folder holds more than $FLUXACCEL_FP8_CACHE_MAX_GIB (default 64).
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..compile.kernel_cache import default_dir, package_version
+from .folder import default_dir, package_version
 from ..upstream import Unavailable, comfy_internals, say, torch_internals
 
 log = logging.getLogger("fluxaccel.fp8")

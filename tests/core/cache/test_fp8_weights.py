@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fluxaccel.core.quant import patch as fp8_patch
-from fluxaccel.core.quant import weights_cache
+from fluxaccel.core.cache import fp8_weights as weights_cache
 from fluxaccel.core.quant.fp8 import Fp8Config
 from fluxaccel.core.quant.patch import apply_fp8
 from support.runs import denoise_once

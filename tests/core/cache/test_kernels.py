@@ -15,7 +15,7 @@ from conftest import ROOT
 from support.runs import NEW_PROCESS_PRELUDE
 
 SCRIPT = NEW_PROCESS_PRELUDE + textwrap.dedent(r"""
-    from fluxaccel.core.compile import warm_start
+    from fluxaccel.core.cache import packages as warm_start
     warm_start.available = lambda: (False, "this test checks the kernel cache alone")
     with torch.inference_mode():
         c = CompiledFlux(dm, CompileConfig(separate_process=False), Setup(torch.device("cpu"), "kernel-cache-test"))
@@ -48,7 +48,7 @@ def test_fresh_process_hits_the_saved_cache_and_ignores_bad_files(tmp_path, capl
     assert second["err"] < 2e-2
     # a corrupt and a foreign file under the same key: refused with a warning before anything reaches inductor (the
     # compile that follows a refused load is the first run's, checked above)
-    from fluxaccel.core.compile.kernel_cache import KernelCache
+    from fluxaccel.core.cache.kernels import KernelCache
 
     key = files[0].stem
     for blob, says in ((b"FLUXACCEL-COMPILE-CACHE 1\n" + b"{not json", "ignoring unusable compile cache"),
@@ -62,7 +62,8 @@ def test_fresh_process_hits_the_saved_cache_and_ignores_bad_files(tmp_path, capl
 
 
 def test_clear_removes_only_our_files(tmp_path):
-    from fluxaccel.core.compile.kernel_cache import MAGIC, clear
+    from fluxaccel.core.cache.clear import clear
+    from fluxaccel.core.cache.kernels import MAGIC
 
     (tmp_path / "a.bin").write_bytes(MAGIC + b"{}\n")
     (tmp_path / "b.bin").write_bytes(b"someone else's")
@@ -70,7 +71,7 @@ def test_clear_removes_only_our_files(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from fluxaccel.core.quant import weights_cache
+    from fluxaccel.core.cache import fp8_weights as weights_cache
 
     weights = tmp_path / "fp8-weights"
     weights_cache._write(weights / "ours.safetensors", {"l.weight": torch.zeros(2, 2)},
@@ -78,7 +79,7 @@ def test_clear_removes_only_our_files(tmp_path):
     save_file({"x": torch.zeros(2)}, str(weights / "theirs.safetensors"))
     (tmp_path / f"{'a' * 32}-{'0' * 16}.compile123.log").write_text("a separate compile process's log")
     (tmp_path / "notes.compile1.log").write_text("someone else's")
-    from fluxaccel.core.compile.warm_start import WarmStart
+    from fluxaccel.core.cache.packages import WarmStart
 
     WarmStart("a" * 32, tmp_path).save_blocks("0" * 16, ["1" * 16, "2" * 16])  # a block index
     (tmp_path / "other.blocks").write_text("[1, 2]")
@@ -109,7 +110,7 @@ def test_fp8_variants_of_one_model_get_their_own_cache_files(cpu_fp8, tiny_flux)
 def _artifact_keys(path) -> set:
     from torch.compiler._cache import CacheArtifactManager
 
-    from fluxaccel.core.compile.kernel_cache import MAGIC
+    from fluxaccel.core.cache.kernels import MAGIC
 
     payload = path.read_bytes()[len(MAGIC):].partition(b"\n")[2]
     return {(kind, a.key) for kind, items in CacheArtifactManager.deserialize(payload).items() for a in items}
@@ -158,7 +159,7 @@ def test_cache_key_does_not_depend_on_which_clone_is_loaded(cpu_fp8, tiny_flux):
 def test_a_restart_that_meets_fewer_shapes_keeps_the_others(tiny_flux, tmp_path, monkeypatch):
     """One compiled model meets two shapes and saves its file; a new one with the same key (a restarted ComfyUI)
     loads the file, compiles only the first shape and saves again: the file still holds both shapes' artifacts."""
-    from fluxaccel.core.compile import warm_start
+    from fluxaccel.core.cache import packages as warm_start
     from fluxaccel.core.compile.config import CompileConfig
     from fluxaccel.core.compile.compiled import CompiledFlux, Setup
     from support.runs import flux_inputs

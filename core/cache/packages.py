@@ -1,6 +1,7 @@
-"""Warm start: each compiled shape saved with dynamo's trace, so that a restarted ComfyUI runs without tracing again.
+"""Warm-start packages: each compiled block kind and shape saved with dynamo's trace, so that a restarted ComfyUI runs
+without tracing again.
 
-The compile cache (kernel_cache.py) keeps inductor's artifacts, but every new process still re-traces the blocks
+The kernel cache (kernels.py) keeps inductor's artifacts, but every new process still re-traces the blocks
 with dynamo and rebuilds its guards, most of a cached start's time. A warm-start package is
 `torch.compile(...).aot_compile()`'s output instead: the traced bytecode and the compiled graph of one call signature,
 loaded in a new process and called with the live model as its `self` -- its weights are read from the loaded
@@ -40,16 +41,12 @@ from typing import Any, Callable
 import torch
 
 from ..upstream import Unavailable, torch_internals
+from .folder import UNUSABLE_FILE, UNWRITABLE
 
 log = logging.getLogger("fluxaccel.cache")
 
 MAGIC = b"FLUXACCEL-WARM-START 1\n"
 
-# what reading a damaged, truncated, foreign or stale file raises (ours: ValueError), and what torch's deserializer
-# raises for one it cannot rebuild; writing: what a full disk, a read-only folder or an unpicklable graph raise
-UNUSABLE_FILE = (OSError, ValueError, EOFError, RuntimeError, KeyError, AttributeError, ImportError, TypeError,
-                 pickle.UnpicklingError)
-UNWRITABLE = (OSError, RuntimeError, TypeError, ValueError, AttributeError, pickle.PicklingError)
 SUFFIX = ".warm"
 # what torch reads from inductor's config when it loads a package (the rest of the compile's options shaped the saved
 # graph already): a load in the background may only run where these equal the process's config, since a patch of

@@ -15,7 +15,7 @@ from conftest import ROOT
 from support.runs import NEW_PROCESS_PRELUDE
 
 SCRIPT = NEW_PROCESS_PRELUDE + textwrap.dedent(r"""
-    from fluxaccel.core.compile import warm_start
+    from fluxaccel.core.cache import packages as warm_start
     with torch.inference_mode():
         c = CompiledFlux(dm, CompileConfig(separate_process=False), Setup(torch.device("cpu"), "warm-start-test"))
         pending = dict(c.packages.pending)
@@ -73,7 +73,7 @@ def test_two_workers_compile_at_once_then_a_third_starts_warm(tmp_path):
 
 
 def _package(tmp_path, key="k" * 32, sig="s" * 16, **meta):
-    from fluxaccel.core.compile.warm_start import MAGIC, WarmStart
+    from fluxaccel.core.cache.packages import MAGIC, WarmStart
 
     w = WarmStart(key, tmp_path)
     header = {"key": key, "signature": sig, **meta}
@@ -116,7 +116,7 @@ def test_background_load_waits_where_inductor_config_differs(tmp_path, caplog):
     of inductor's config would be seen by every thread. Otherwise it loads at the first call, as it says."""
     import torch._inductor.config as ic
 
-    from fluxaccel.core.compile.warm_start import Packages
+    from fluxaccel.core.cache.packages import Packages
 
     w, path, head = _package(tmp_path)
     packages = Packages(w, {"triton.cudagraphs": False, "emulate_precision_casts": True})
@@ -139,7 +139,7 @@ def test_background_load_sets_the_wrappers_cpu_isa_for_its_own_duration(tmp_path
     import torch._inductor.config as ic
 
     from fluxaccel.core.compile.config import CompileConfig
-    from fluxaccel.core.compile.warm_start import Packages
+    from fluxaccel.core.cache.packages import Packages
 
     options = CompileConfig().inductor_options(capture=True)
     assert options["cpp_wrapper"] is True and options["cpp.vec_isa_ok"] is False
@@ -182,7 +182,7 @@ def _module_level_fn(func, *a, **k):
 
 
 def test_signature_tells_calls_apart_and_refuses_what_a_package_cannot_stand_for():
-    from fluxaccel.core.compile.warm_start import NotPackageable, signature
+    from fluxaccel.core.cache.packages import NotPackageable, signature
 
     x = torch.zeros(1, 16, 8, 8, dtype=torch.bfloat16)
     base = signature((x, torch.zeros(1)), {"context": torch.zeros(1, 4, 64), "options": {"attn": _module_level_fn}})
@@ -211,7 +211,8 @@ def test_source_check_reads_what_torch_saved_without_linecache(monkeypatch):
     import inspect
     import linecache
 
-    from fluxaccel.core.compile import rope, warm_start
+    from fluxaccel.core.cache import packages as warm_start
+    from fluxaccel.core.compile import rope
 
     names = ["fluxaccel.core.compile.rope", "torch.nn.functional", "comfy.ldm.flux.model"]
     import comfy.ldm.flux.model  # noqa: F401

@@ -7,13 +7,13 @@ import contextlib
 import pytest
 import torch
 
-from fluxaccel.core.compile import warm_start
+from fluxaccel.core.cache import packages as warm_start
 from fluxaccel.core.compile.attention import OVERRIDE_KEY, sdpa_cudnn_first
 from fluxaccel.core.compile.config import CompileConfig
-from fluxaccel.core.compile.kernel_cache import cache_key
-from fluxaccel.core.compile.patch import model_layout, model_variant
+from fluxaccel.core.compile.keys import cache_key
+
 from fluxaccel.core.compile.shapes import ShapeKey
-from fluxaccel.core.compile.warm_start import NotPackageable, Packages, signature
+from fluxaccel.core.cache.packages import NotPackageable, Packages, signature
 from support.models import TINY, build_flux
 
 KEY = ShapeKey(1, 16, 16, 16, "bfloat16")
@@ -66,8 +66,7 @@ def test_an_attention_function_that_may_differ_in_the_next_process_is_not_packag
 
 
 def _key(model, cfg=CompileConfig()):
-    return cache_key(model.model.diffusion_model, cfg, torch.device("cpu"), cfg.inductor_options(capture=False),
-                     model_variant(model), model_layout(model))
+    return cache_key(model, cfg, torch.device("cpu"), cfg.inductor_options(capture=False))
 
 
 def test_weight_dtypes_shapes_fp8_configs_and_modes_are_in_the_cache_key(cpu_fp8):
