@@ -2,9 +2,11 @@
 writing a file there may raise."""
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata as md
 import os
 import pickle
+import struct
 from pathlib import Path
 
 ENV_DIR = "FLUXACCEL_CACHE_DIR"
@@ -34,3 +36,13 @@ def package_version(pkg: str) -> str | None:
         return None
 
 
+def file_identity(path: Path) -> dict:
+    """What identifies a weights file without reading it all: path, size, mtime and a hash of its first bytes (a
+    safetensors file's whole header)."""
+    st = path.stat()
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if path.suffix in (".safetensors", ".sft") and len(head) == 8 else 0
+        head += f.read(min(n, 100 << 20) if n else (1 << 20) - 8)
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "head_sha256": hashlib.sha256(head).hexdigest()}

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .folder import default_dir, package_version
+from .folder import default_dir, file_identity, package_version
 from ..upstream import Unavailable, comfy_internals, say, torch_internals
 
 log = logging.getLogger("fluxaccel.fp8")
@@ -43,18 +43,6 @@ def cache_dir() -> Path:
     return default_dir() / "fp8-weights"
 
 
-def source_identity(path: Path) -> dict:
-    """What identifies a weights file without reading it all: path, size, mtime and a hash of its first bytes (a
-    safetensors file's whole header)."""
-    st = path.stat()
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = struct.unpack("<Q", head)[0] if path.suffix in (".safetensors", ".sft") and len(head) == 8 else 0
-        head += f.read(min(n, 100 << 20) if n else (1 << 20) - 8)
-    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "head_sha256": hashlib.sha256(head).hexdigest()}
-
-
 @dataclass(frozen=True)
 class Entry:
     """Where one model's FP8 weights are cached (or why they are not)."""
@@ -67,29 +55,31 @@ class Entry:
         return cache_dir() / f"{digest}.safetensors"
 
 
-def entry_for(model, cfg, compute_dtype, patched: list[str]) -> Entry:
-    """The cache entry of this model quantized with cfg, or why it has none."""
+def entry_for(linears, cfg) -> Entry:
+    """The cache entry of a Quantize FP8 run's Linears (quant/source.py) quantized with cfg, or why it has none."""
     if os.environ.get(ENV_OFF, "1") == "0":
         return Entry(None, f"${ENV_OFF}=0")
-    if patched:
-        return Entry(None, f"{len(patched)} weight patches (LoRA, ...) are merged into these weights")
-    source = comfy_internals.source_file(model)
+    if linears.uncached:
+        return Entry(None, linears.uncached)
+    source, options = comfy_internals.source_file(linears.model), comfy_internals.load_options(linears.model)
     if isinstance(source, Unavailable) or source is None:
         return Entry(None, "no weights file is known for this model" + (f" ({source})" if source is not None else ""))
     try:
-        ident = source_identity(source)
+        ident = file_identity(source)
     except OSError as e:
         return Entry(None, f"cannot read {source}: {e}")
-    return Entry({"format": FORMAT, "source": ident, "fp8": cfg.weights_key(), "compute_dtype": str(compute_dtype),
-                  "options": comfy_internals.load_options(model),
+    return Entry({"format": FORMAT, "source": ident, "fp8": cfg.weights_key(),
+                  "compute_dtype": str(linears.compute_dtype), "options": options,
                   "versions": {p: package_version(p) for p in ("torch", "torchao", "comfyui-fluxaccel")}})
 
 
-def load(entry: Entry, shapes: dict[str, tuple[int, ...]], device: torch.device | str = "cpu"
+def load(entry: Entry, shapes: dict[str, tuple[int, ...]], device: torch.device | str = "cpu", check=None
          ) -> dict[str, dict[str, torch.Tensor]] | None:
     """{linear name: {weight, scale}} from the entry's file, on `device`, or None (absent; stale, foreign or corrupt
-    ones with a warning). shapes: each Linear's weight shape, all of which the file must hold. The tensors are read
-    straight into memory of their own on `device` (read_tensors): no host copy of them is kept."""
+    ones with a warning). shapes: each Linear's weight shape, all of which the file must hold. check: (name, an FP8
+    Linear quantized now) that the file must hold bit for bit (else it is ignored with a warning, to be saved
+    again). The tensors are read straight into memory of their own on `device` (read_tensors): no host copy of them
+    is kept."""
     path = entry.path
     if entry.key is None or not path.is_file():
         return None
@@ -110,8 +100,18 @@ def load(entry: Entry, shapes: dict[str, tuple[int, ...]], device: torch.device 
         log.warning("FluxAccel: ignoring the FP8 weights cache file %s (%s: %s); quantizing instead", path,
                     type(e).__name__, e)
         return None
+    if check is not None and not _same_fp8(check[1], out[check[0]]):
+        log.warning("FluxAccel: the FP8 weights cache file %s holds other numbers than quantizing gives now; "
+                    "quantizing instead (and saving again)", path)
+        return None
     os.utime(path)  # recently used: pruned last
     return out
+
+
+def _same_fp8(q, parts: dict) -> bool:
+    as_bytes = lambda t: t.detach().cpu().contiguous().view(torch.uint8)  # noqa: E731
+    return (torch.equal(as_bytes(q.weight), as_bytes(parts["weight"]))
+            and torch.equal(q.fp8_weight_scale.detach().cpu(), parts["scale"].detach().cpu()))
 
 
 def _header(path: Path) -> tuple[dict, int]:
@@ -153,7 +153,7 @@ def read_tensors(path: Path, start: int, specs: dict[str, dict], device: torch.d
     def work(lo: int, hi: int) -> None:
         try:
             with torch.inference_mode(inference):
-                _read_part(path, start, lo, hi, spans, device, chunk)
+                _read_part(path, start, (lo, hi), spans, device, chunk)
         except BaseException as e:  # noqa: BLE001 -- raised again below, in the caller's thread
             errors.append(e)
 
@@ -168,8 +168,9 @@ def read_tensors(path: Path, start: int, specs: dict[str, dict], device: torch.d
     return out
 
 
-def _read_part(path: Path, start: int, lo: int, hi: int, spans: list, device: torch.device, chunk: int) -> None:
+def _read_part(path: Path, start: int, part: tuple[int, int], spans: list, device: torch.device, chunk: int) -> None:
     """One reader's part [lo, hi) of the data, chunk by chunk, into the tensors each chunk holds."""
+    lo, hi = part
     buf = torch.empty(min(chunk, hi - lo), dtype=torch.uint8)
     locked = device.type == "cuda" and _pinned(buf)
     try:

@@ -97,6 +97,11 @@ class FluxModel:
         return cls(model, dm, profile(model, node), node)
 
     @property
+    def device(self) -> torch.device:
+        """Where ComfyUI runs the model."""
+        return torch.device(self.model.load_device)
+
+    @property
     def scale(self) -> int:
         return latent_scale(self.model)
 

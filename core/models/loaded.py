@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import FluxAccelError
-from ..upstream import comfy_internals
+from ..upstream import Unavailable, comfy_internals
 from . import swaps
 from .resident import is_dynamic, resident  # noqa: F401 -- the resident model, re-exported for the patches
 
@@ -93,3 +93,16 @@ def require_compatible(model, dm, node: str, quantized_ok: bool = False) -> None
             f"{node}: this model's weights are already quantized by ComfyUI's mixed-precision ops "
             f"({', '.join(kitchen[:3])}{', ...' if len(kitchen) > 3 else ''}). Put Quantize FP8 (FluxAccel) before "
             f"this node: it re-quantizes such checkpoints (and dequantizes the layers it keeps in bf16).")
+
+
+def stored_live_tree(model, node: str) -> None:
+    """Make the live module tree hold this model's stored weights and modules (ComfyUI's own unload, where another
+    clone's patches are applied now), so that ComfyUI's weight patching reads the weights this clone patches."""
+    if not (model.backup or model.object_patches_backup):
+        return
+    unloaded = comfy_internals.unload_model_and_clones(model)
+    if isinstance(unloaded, Unavailable) or model.backup or model.object_patches_backup:
+        raise FluxAccelError(f"{node}: another branch of this workflow has its patches applied to the loaded model "
+                             f"({unloaded if isinstance(unloaded, Unavailable) else 'ComfyUI did not unload it'}), so "
+                             f"this branch's LoRA cannot be merged from the stored weights. Free the model (the Unload "
+                             f"Models button) and run again.")

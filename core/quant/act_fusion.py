@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .act_quant import MAX_ROW
+from .linear import is_fp8_linear
 
 SINGLE_FORWARD = ("mlp = self.mlp_act(mlp)", "self.linear2(torch.cat((attn, mlp), 2))")
 SILU_GATE_FORWARD = ("x1, x2 = x.chunk(2, dim=-1)", "return self.gate_fn(x1) * x2")
@@ -116,3 +117,42 @@ def find_sites(dm: torch.nn.Module, original=lambda name, m: m) -> tuple[list[Ac
         else:
             sites.append(found)
     return sites, kept
+
+
+
+def fuse(dm: torch.nn.Module, original, fp8: dict[str, torch.nn.Module], cfg, report) -> dict[str, torch.nn.Module]:
+    """Move each site's activation into the FP8 Linear after it (`fp8`: the new Linears by diffusion-model name, as
+    build.py made them): their object patches, {activation key: Identity}. The report says how many, per kind, and
+    why any was kept. original(name, module): as find_sites."""
+    sites, kept = find_sites(dm, original)
+    identities = {}
+    for act in ("gelu", "silu_gate"):
+        mine = [site for site in sites if site.act == act]
+        kept_here = {name: why for name, (kind, why) in kept.items() if kind == act}
+        why = cfg.fusion_unavailable(act) if mine else ""
+        line = f"MLP {NAMES[act]} kept separate: {why}" if why else _fuse_kind(act, mine, kept_here, fp8, identities)
+        if act == "gelu":
+            report.gelu = line
+        elif mine or kept_here:  # FLUX.2's line; FLUX.1's report has none
+            report.silu_gate = line
+    return identities
+
+
+def _fuse_kind(act: str, sites: list[ActSite], kept: dict[str, str], fp8: dict, identities: dict) -> str:
+    """Fuse the sites of one activation kind, adding their Identities; the report's line."""
+    fused = 0
+    for site in sites:
+        q = fp8.get(site.linear)
+        if q is None or not is_fp8_linear(q) or q.fp8_act_kwargs.float8_dtype != torch.float8_e4m3fn:
+            kept[site.module] = "the Linear after it is not quantized to float8_e4m3fn"
+            continue
+        q.fused_act, q.act_from = act, site.act_from
+        identities[f"diffusion_model.{site.module}"] = torch.nn.Identity()
+        fused += 1
+    if not (fused or kept):
+        return f"no {'GELU(tanh)' if act == 'gelu' else 'SiLU-gated'} MLP in this model to fuse"
+    line = (f"MLP {NAMES[act]} fused into the FP8 quantization of the next Linear (one pass) at {fused} of "
+            f"{fused + len(kept)} {NAMES[act]}s")
+    if kept:
+        line += f"; kept separate ({len(kept)}): {'; '.join(sorted(set(kept.values())))}"
+    return line

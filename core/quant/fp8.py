@@ -19,6 +19,7 @@ import torch
 from ..env import require_torchao
 from ..errors import FluxAccelError
 from ..inputs import node_field, node_inputs
+from ..models.loaded import is_checkpoint_quantized
 from ..models.profiles import FLUX1, Profile
 from ..upstream import say, torchao_internals
 from ..upstream.torchao_internals import float8_primitives
@@ -119,8 +120,8 @@ def select_linears(named_linears: Iterable[tuple[str, torch.nn.Linear]], cfg: Fp
             sel.skipped[name] = f"outside scope '{cfg.scope}'"
         elif w.shape[0] % 16 or w.shape[1] % 16:
             sel.skipped[name] = f"shape {tuple(w.shape)} not divisible by 16 (FP8 GEMM needs it)"
-        elif cfg.granularity == "per_row" and w.dtype != torch.bfloat16:
-            raise FluxAccelError(
+        elif cfg.granularity == "per_row" and not is_checkpoint_quantized(w) and w.dtype != torch.bfloat16:
+            raise FluxAccelError(  # a checkpoint-quantized weight is re-quantized from its bf16 dequantization
                 f"per_row FP8 needs bfloat16 weights, but {name} is {w.dtype}. Load the model in bf16 "
                 f"(UNETLoader weight_dtype 'default' on a bf16 GPU, or ComfyUI's --bf16-unet) or choose "
                 f"granularity per_tensor."

@@ -171,12 +171,12 @@ def quantize_linear(linear: torch.nn.Linear, cfg: Fp8Config, device: torch.devic
     return new
 
 
-def plain_from_parts(linear: torch.nn.Linear, weight: torch.Tensor, scale: torch.Tensor, like: torch.nn.Linear,
-                     device: torch.device | str, compute_dtype=None) -> torch.nn.Linear:
-    """The FP8 Linear of `linear` from stored FP8 data and scales (the FP8 weights cache) instead of
-    quantizing: `like`, a Linear quantize_linear made with the same config, gives torchao's activation and GEMM
-    settings."""
-    new = detached_copy(linear, torch.device(device), compute_dtype, {"weight": weight})
+def plain_from_parts(linear: torch.nn.Linear, params: dict[str, torch.Tensor], scale: torch.Tensor,
+                     like: torch.nn.Linear, device: torch.device | str, compute_dtype=None) -> torch.nn.Linear:
+    """The FP8 Linear of `linear` from stored FP8 data (params' weight) and scales (the FP8 weights cache) instead
+    of quantizing: `like`, a Linear quantize_linear made with the same config, gives torchao's activation and GEMM
+    settings; params' bias, where given, is the bias."""
+    new = detached_copy(linear, torch.device(device), compute_dtype, params)
     new.fp8_act_kwargs, new.fp8_mm_config = like.fp8_act_kwargs, like.fp8_mm_config
     new.register_buffer("fp8_weight_scale", scale.to(device))
     for attr in ("weight_function", "bias_function"):
@@ -184,3 +184,14 @@ def plain_from_parts(linear: torch.nn.Linear, weight: torch.Tensor, scale: torch
             setattr(new, attr, [])
     new.__class__ = _fp8_class(type(linear))
     return new
+
+
+def comfy_linear(mod, params: dict[str, torch.Tensor], device: torch.device, cast: bool) -> torch.nn.Linear:
+    """A plain ComfyUI Linear (the class a bf16 checkpoint loads; with cast, the manual-cast one that casts its weight
+    to the activation dtype per call) with params' weight and bias, standing in for `mod` (a Linear of ComfyUI's
+    mixed-precision ops): made with its class's own constructor on the meta device, then given the tensors."""
+    import comfy.ops
+
+    cls = (comfy.ops.manual_cast if cast else comfy.ops.disable_weight_init).Linear
+    empty = cls(mod.in_features, mod.out_features, bias="bias" in params, device="meta")
+    return detached_copy(empty, device, None, params)

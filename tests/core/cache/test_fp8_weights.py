@@ -7,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from fluxaccel.core.quant import patch as fp8_patch
+from fluxaccel.core.quant import build as fp8_build
+from fluxaccel.core.quant.source import Linears
 from fluxaccel.core.cache import fp8_weights as weights_cache
 from fluxaccel.core.quant.fp8 import Fp8Config
 from fluxaccel.core.quant.patch import apply_fp8
@@ -40,8 +41,8 @@ def load(path):
 def quantizations(monkeypatch):
     """How many Linears torchao quantized (the real quantize_linear, counted)."""
     calls = []
-    real = fp8_patch.quantize_linear
-    monkeypatch.setattr(fp8_patch, "quantize_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = fp8_build.quantize_linear
+    monkeypatch.setattr(fp8_build, "quantize_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 
@@ -123,7 +124,7 @@ def test_what_is_not_cached_says_why(cpu_fp8, cache, tiny_file, tiny_flux, monke
 
 def test_workers_writing_the_same_entry_leave_one_whole_file(cpu_fp8, cache, tiny_file):
     model = load(tiny_file)
-    entry = weights_cache.entry_for(model, Fp8Config(), None, [])
+    entry = weights_cache.entry_for(Linears(model, {}, [], {}), Fp8Config())
     shape = (64, 32)
     tensors = {f"l{i}": {"weight": torch.randn(shape).to(torch.float8_e4m3fn), "scale": torch.rand(shape[0], 1)}
                for i in range(8)}

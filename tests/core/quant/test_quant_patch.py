@@ -238,13 +238,14 @@ def test_fp8_copies_wait_on_the_gpu_only_with_room_beside_comfyuis_reserve(monke
     from types import SimpleNamespace
 
     import comfy.model_management as mm
-    from fluxaccel.core.quant.patch import Fp8Report, _fp8_home
+    from fluxaccel.core.quant.build import fp8_home
+    from fluxaccel.core.quant.report import Fp8Report
 
     free = free_gib * 1024**3
     monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (free, free) if torch_free_too
                         else free)
     monkeypatch.setattr(mm, "minimum_inference_memory", lambda: 2 * 1024**3)
     report = Fp8Report("per_row", "blocks", "cuda:0")
-    home = _fp8_home(SimpleNamespace(offload_device=torch.device("cpu")), torch.device("cuda:0"), 16 * 1024**3, report)
+    home = fp8_home(SimpleNamespace(offload_device=torch.device("cpu")), torch.device("cuda:0"), 16 * 1024**3, report)
     assert str(home) == expect
     assert ("on cuda:0 until ComfyUI loads" if expect == "cuda:0" else "in host RAM") in report.summary()

@@ -112,6 +112,7 @@ def test_source_file_missing(tiny_file_model):
     weights cache by, said as such."""
     from fluxaccel.core.cache import fp8_weights as weights_cache
     from fluxaccel.core.quant.fp8 import Fp8Config
+    from fluxaccel.core.quant.source import Linears
 
     from pathlib import Path
 
@@ -120,7 +121,7 @@ def test_source_file_missing(tiny_file_model):
     missing = comfy_internals.source_file(bare)
     assert isinstance(missing, Unavailable) and "cached_patcher_init" in str(missing)
     assert comfy_internals.load_options(bare) == {}
-    entry = weights_cache.entry_for(bare, Fp8Config(), None, [])
+    entry = weights_cache.entry_for(Linears(bare, {}, [], {}), Fp8Config())
     assert entry.key is None and "no weights file is known" in entry.why_not and "cached_patcher_init" in entry.why_not
 
 
