@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import persistence
 from .blocks import BlockTable
 from .call_graphs import CallGraphs
 from .config import CompileConfig
@@ -32,16 +33,20 @@ log = logging.getLogger("fluxaccel.compile")
 
 @dataclass(frozen=True)
 class Setup:
-    """What a CompiledFlux is built for besides its config, found out by patch.apply_compile: the device, the key of
-    its caches (kernel_cache.cache_key), why calls are not captured into CUDA graphs ('' where they are), pixels per
-    latent cell, whether the architecture reads reference latents, and its modulation table (or None)."""
+    """What a CompiledFlux is built for besides its config, found out by patch.apply_compile: the device, the inductor
+    options of its compiles (config.inductor_options), the key of its files (keys.cache_key), why calls are not
+    captured into CUDA graphs ('' where they are), pixels per latent cell, whether the architecture reads reference
+    latents, its modulation table (or None) and what runs below what FluxAccel could do here ((what, why) pairs, for
+    the stats)."""
 
     device: torch.device
+    options: dict
     cache_key: str
     capture_off: str = ""
     scale: int = 8
     references: bool = True
     mod_table: object = None
+    degraded: tuple = ()
 
 
 class CompiledFlux(torch.nn.Module):
@@ -53,52 +58,19 @@ class CompiledFlux(torch.nn.Module):
         # held outside _modules: the live diffusion model must not appear twice in the module tree
         object.__setattr__(self, "_dm", dm)
         self.cfg, self.setup, self.device = cfg, setup, torch.device(setup.device)
-        self.scale, self.references = setup.scale, setup.references
+        self.scale, self.references, self.options = setup.scale, setup.references, setup.options
         self.stats = CompileStats()
+        for what, why in setup.degraded:
+            self.stats.degrade(what, why)
         self.policy = ShapePolicy(cfg.resolution_policy, cfg.max_shapes)
-        self.options = cfg.inductor_options(capture=not setup.capture_off)
-        self.cache, self.packages = self._persistence(setup.cache_key)
+        kept = persistence.open_for(cfg, setup, self.stats)
+        self.cache, self.packages, self.separate = kept.cache, kept.packages, kept.separate
         self.runner = Runner(dm, BlockTable(dm, self.options, self.packages),
                              attention=attention_override(cfg.attention),
                              call_graphs=None if setup.capture_off else CallGraphs(limit=2 * cfg.max_shapes),
                              mod_table=setup.mod_table)
         self.telemetry = Telemetry(self)
-        self.separate = self._separate(self.packages)
         self.here = False  # compiling_here(): Warmup and Benchmark compile in this process
-
-    def _persistence(self, key: str):
-        """The kernel cache (kernel_cache.py) and the warm-start packages (warm_start.py), as the config asks."""
-        if not self.cfg.persistent_cache:
-            return None, None
-        from ..cache.kernels import KernelCache
-        from ..cache.packages import Packages, WarmStart, available
-
-        cache = KernelCache(key)
-        self.stats.cache_loaded = cache.load()
-        usable, why = available()
-        if usable:
-            packages = Packages(WarmStart(cache.key, cache.dir), self.options)
-            # a restart: the saved packages load while ComfyUI moves the weights, not at the first model call (one
-            # package per block kind and shape)
-            packages.prefetch(self.cfg.max_shapes * 2, self.device)
-            return cache, packages
-        self.stats.warm_start_off = why
-        self.stats.degrade("warm start", f"{why}; a restarted ComfyUI traces the blocks again")
-        log.warning("FluxAccel: no warm-start packages: %s; a restarted ComfyUI traces the blocks again", why)
-        return cache, None
-
-    def _separate(self, packages):
-        """The separate-process compiles (separate.py) where the config asks for them and packages carry them back."""
-        if not self.cfg.separate_process or not self.cfg.persistent_cache:
-            return None
-        if packages is not None:
-            from .separate import SeparateCompiles
-
-            return SeparateCompiles(packages.store, self.cfg, self.device, self.options)
-        why = f"it needs warm-start packages, and there are none here ({self.stats.warm_start_off})"
-        self.stats.degrade("compile in a separate process", f"{why}; a new shape compiles in its first call")
-        log.warning("FluxAccel: no compile in a separate process: %s; a new shape compiles in its first call", why)
-        return None
 
     @contextlib.contextmanager
     def compiling_here(self):

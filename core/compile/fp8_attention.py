@@ -73,6 +73,14 @@ def why_no_qk_bound(block) -> str:
     return weights if isinstance(weights, str) else ""
 
 
+def why_qk_bound_off(dm: torch.nn.Module) -> str:
+    """FP8 attention takes each block's Q/K scales from its QK-norm weights; a block where they cannot be read takes
+    each call's absmax of Q and K instead (one more pass over Q and K): how many and why ('' where none)."""
+    blocks = [*getattr(dm, "double_blocks", ()), *getattr(dm, "single_blocks", ())]
+    whys = [w for w in map(why_no_qk_bound, blocks) if w]
+    return f"{len(whys)} of {len(blocks)} blocks take each call's absmax of Q and K instead: {whys[0]}" if whys else ""
+
+
 def qk_scales(block) -> torch.Tensor | None:
     """Q's and K's FP8 scales of this block from its QK-norm weights ((2,) float32), or None where the block has no
     QK-norm FluxAccel knows or its weights change per call (Q and K then take each call's absmax; why_no_qk_bound says

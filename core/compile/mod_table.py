@@ -415,6 +415,15 @@ def why_not_here(model, dm: torch.nn.Module) -> str:
     return ""
 
 
+def for_clone(clone, model, dm: torch.nn.Module, device: torch.device) -> tuple[ModTable | None, str]:
+    """(the table installed on `clone`, '') where `model` allows it; else (None, why) -- '' also where the
+    architecture has no per-block modulations, so nothing to say."""
+    why = why_not_here(model, dm)
+    if not why:
+        return install(clone, model, dm, device), ""
+    return None, f"{why}; each call computes its modulations" if modulations(dm) else ""
+
+
 def install(clone, model, dm: torch.nn.Module, device: torch.device) -> ModTable:
     """A table for `clone` (a clone of `model` the Compile node made, why_not_here() ''): each block modulation
     swapped for a TableModulation through an object patch (the input model and other branches keep ComfyUI's)."""

@@ -24,6 +24,7 @@ import textwrap
 import torch
 
 from ..quant.linear import takes_pair
+from ..quant.patch import fp8_state
 
 # SHA-256 of SingleStreamBlock.forward's source (dedented) -> where it was read
 KNOWN = {"0a79a7f4b0ed0598aaa39388484046d2eca88c48e67e5f6917dab984f3b551b6": "ComfyUI 0.33.0"}
@@ -59,6 +60,17 @@ def cache_tag(dm: torch.nn.Module) -> str:
     stands in for."""
     blocks = getattr(dm, "single_blocks", None)
     return f"single_blocks=fluxaccel:{source_hash(type(blocks[0]))[:16] or 'unreadable' if blocks else 'none'}"
+
+
+def why_off(model, dm: torch.nn.Module) -> str:
+    """Where Quantize FP8 fused the single blocks' MLP activation into linear2 (a clone of `model`, whose diffusion
+    model is `dm`) but forward() cannot run on this ComfyUI: why, with what runs instead ('' otherwise)."""
+    blocks = getattr(dm, "single_blocks", None)
+    state = fp8_state(model)
+    if not blocks or state is None or "diffusion_model.single_blocks.0.mlp_act" not in state.fused_keys:
+        return ""
+    why = known(type(blocks[0]))
+    return f"{why}; ComfyUI's forward runs (linear2's concatenated input is written first)" if why else ""
 
 
 def ready(block: torch.nn.Module) -> bool:

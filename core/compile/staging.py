@@ -14,9 +14,12 @@ memory cannot be had (a locked-memory limit), the call runs with ComfyUI's own c
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
+
+log = logging.getLogger("fluxaccel.compile")
 
 Copy = Callable[[torch.Tensor, torch.device], torch.Tensor]
 
@@ -43,20 +46,23 @@ def staged(args: tuple, kwargs: dict, device: torch.device, copy: Copy = pinned_
     return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}, n
 
 
-def staging_wrapper(inner: Callable, device: torch.device, count: Callable[[int], None],
-                    on_fail: Callable[[str], None], copy: Copy = pinned_copy) -> Callable:
+def staging_wrapper(inner: Callable, device: torch.device, stats, copy: Copy = pinned_copy) -> Callable:
     """An APPLY_MODEL wrapper: `inner` (an APPLY_MODEL wrapper) called with the call's CPU inputs staged on `device`;
-    count(n) is told how many tensors each call staged; on_fail(why) once if staging cannot run (then it is off)."""
+    `stats` (a CompileStats) counts the staged tensors, and is told once, with the log, if staging cannot run (then
+    it is off: ComfyUI's own copy runs)."""
     failed: list[str] = []
 
     def apply_staged(executor, *args, **kwargs):
         if not failed:
             try:
                 args, kwargs, n = staged(args, kwargs, device, copy)
-                count(n)
+                stats.staged_tensors += n
             except RuntimeError as e:  # pinned memory refused: ComfyUI's own copy from now on, said once
                 failed.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300])
-                on_fail(failed[0])
+                stats.degrade("the sampler's inputs copied without waiting",
+                              f"{failed[0]}; ComfyUI's own copy runs (the host waits for the GPU at every call)")
+                log.warning("FluxAccel: pinned-memory copies of the sampler's inputs are off from now on: %s; "
+                            "ComfyUI's own copy runs", failed[0])
         return inner(executor, *args, **kwargs)
 
     return apply_staged

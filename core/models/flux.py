@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import FluxAccelError
-from .loaded import foreign_graph_compilers, require_compatible, resident
+from .loaded import require_compatible, resident
 from .profiles import Profile, require_profile
 
 FP8_DTYPES = tuple(
@@ -66,6 +66,12 @@ def on_load_callback_type() -> str:
     return CallbacksMP.ON_LOAD
 
 
+def prepare_sampling_type() -> str:
+    from comfy.patcher_extension import WrappersMP
+
+    return WrappersMP.PREPARE_SAMPLING
+
+
 def partial_load_guard(node: str):
     """An ON_LOAD callback refusing ComfyUI's lowvram (partial) loads of a patched model at sampling time."""
     def on_load(patcher, device_to, lowvram_model_memory, force_patch_weights, full_load):
@@ -108,10 +114,6 @@ class FluxModel:
     @property
     def references(self) -> bool:
         return self.profile.references
-
-    @property
-    def foreign_graphs(self) -> list[str]:
-        return foreign_graph_compilers(self.model)
 
     @property
     def on_load_type(self) -> str:

@@ -16,22 +16,21 @@ from __future__ import annotations
 import torch
 
 from ..errors import FluxAccelError
-from ..upstream import Unavailable, comfy_internals
+from ..upstream import Unavailable, comfy_internals, torch_internals
 from . import swaps
 from .resident import is_dynamic, resident  # noqa: F401 -- the resident model, re-exported for the patches
 
 _OURS = ("fluxaccel",)
 
 
-def core_block_graphs(dm) -> list[str]:
-    """Modules of this diffusion model that ComfyUI's per-block CUDA graphs warmed up or captured; empty on releases
-    without them."""
-    return comfy_internals.core_graph_modules(dm)
-
-
-def foreign_graph_compilers(model) -> list[str]:
-    """Another CUDA-graph capture of this model's blocks (ComfyUI's own per-block graphs)."""
-    return [f"ComfyUI per-block CUDA graph on {name}" for name in core_block_graphs(model.model.diffusion_model)]
+def compiled_elsewhere(model) -> list[str]:
+    """Parts of the model another node compiled or captured: compiled modules of their own (object patches,
+    submodules), ComfyUI's own per-block CUDA graphs."""
+    found = [f"compiled object patch {key}" for key, obj in swaps.items(model) if torch_internals.is_compiled_module(obj)]
+    dm = model.model.diffusion_model
+    found += [f"compiled submodule diffusion_model.{name}" for name, mod in dm.named_modules()
+              if name and torch_internals.is_compiled_module(mod)]
+    return found + [f"ComfyUI per-block CUDA graph on {name}" for name in comfy_internals.core_graph_modules(dm)]
 
 
 def quantized_tensor_class():

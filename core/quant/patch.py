@@ -18,12 +18,10 @@ import logging
 import uuid
 from dataclasses import dataclass
 
-from comfy.patcher_extension import WrappersMP
-
 from ..env import require_fp8_device, require_torch, require_torchao
 from ..errors import FluxAccelError
 from ..models import swaps
-from ..models.flux import FluxModel, on_load_callback_type, partial_load_guard
+from ..models.flux import FluxModel, on_load_callback_type, partial_load_guard, prepare_sampling_type
 from . import act_fusion, build, source
 from .build import Kept
 from .fp8 import Fp8Config
@@ -109,7 +107,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     clone.size = max(1, flux.model.model_size() - report.bytes_saved)
     # FP8 weights cannot be streamed per layer by ComfyUI's lowvram path
     clone.add_callback_with_key(on_load_callback_type(), FP8_KEY, partial_load_guard(node))
-    clone.add_wrapper_with_key(WrappersMP.PREPARE_SAMPLING, FP8_KEY, _refuse_late_weight_patches(node))
+    clone.add_wrapper_with_key(prepare_sampling_type(), FP8_KEY, _refuse_late_weight_patches(node))
     clone.set_attachments(FP8_KEY, Fp8State(cfg, keys, report, built.merged, tuple(fused)))
     log.info("%s", report.summary())
     return clone, report
@@ -125,7 +123,7 @@ def remove_fp8(model):
     for key, patches in prev.merged_patches.items():
         clone.patches[key] = list(patches)
     clone.remove_callbacks_with_key(on_load_callback_type(), FP8_KEY)
-    clone.remove_wrappers_with_key(WrappersMP.PREPARE_SAMPLING, FP8_KEY)
+    clone.remove_wrappers_with_key(prepare_sampling_type(), FP8_KEY)
     clone.remove_attachments(FP8_KEY)
     clone.patches_uuid = uuid.uuid4()
     clone.size = model.model_size() + prev.report.bytes_saved

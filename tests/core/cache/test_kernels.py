@@ -12,13 +12,14 @@ import textwrap
 import torch
 
 from conftest import ROOT
+from fluxaccel.core.compile.config import CompileConfig
 from support.runs import NEW_PROCESS_PRELUDE
 
 SCRIPT = NEW_PROCESS_PRELUDE + textwrap.dedent(r"""
     from fluxaccel.core.cache import packages as warm_start
     warm_start.available = lambda: (False, "this test checks the kernel cache alone")
     with torch.inference_mode():
-        c = CompiledFlux(dm, CompileConfig(separate_process=False), Setup(torch.device("cpu"), "kernel-cache-test"))
+        c = CompiledFlux(dm, CompileConfig(separate_process=False), Setup(torch.device("cpu"), CompileConfig().inductor_options(capture=False), "kernel-cache-test"))
         out = c(x, t, context=ctx, y=y, guidance=gd)
         ref = dm(x, t, context=ctx, y=y, guidance=gd)
     from fluxaccel.core.bench.metrics import rel_err
@@ -174,11 +175,11 @@ def test_a_restart_that_meets_fewer_shapes_keeps_the_others(tiny_flux, tmp_path,
         c(x, t, context=ctx, y=y, guidance=guidance)
 
     torch._dynamo.reset()
-    first = CompiledFlux(dm, cfg, Setup(torch.device("cpu"), "kernel-cache-restart"))
+    first = CompiledFlux(dm, cfg, Setup(torch.device("cpu"), CompileConfig().inductor_options(capture=False), "kernel-cache-restart"))
     run(first, 16), run(first, 24)
     both = _artifact_keys(first.cache.path)
     torch._dynamo.reset()
-    again = CompiledFlux(dm, cfg, Setup(torch.device("cpu"), "kernel-cache-restart"))
+    again = CompiledFlux(dm, cfg, Setup(torch.device("cpu"), CompileConfig().inductor_options(capture=False), "kernel-cache-restart"))
     assert again.stats.cache_loaded and again.cache.path == first.cache.path
     written = again.cache.path.stat().st_mtime_ns
     run(again, 16)

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from conftest import ROOT
+from fluxaccel.core.compile.config import CompileConfig
 from support.runs import NEW_PROCESS_PRELUDE
 
 SCRIPT = NEW_PROCESS_PRELUDE + textwrap.dedent(r"""
     from fluxaccel.core.cache import packages as warm_start
     with torch.inference_mode():
-        c = CompiledFlux(dm, CompileConfig(separate_process=False), Setup(torch.device("cpu"), "warm-start-test"))
+        c = CompiledFlux(dm, CompileConfig(separate_process=False), Setup(torch.device("cpu"), CompileConfig().inductor_options(capture=False), "warm-start-test"))
         pending = dict(c.packages.pending)
         c.packages.settle()  # a package on disk is loaded in the background, before the first call
         loaded_before_call = [sum(f.result() is not None for f in pending.values()), warm_start.counts["loaded"]]

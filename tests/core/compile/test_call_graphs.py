@@ -189,10 +189,8 @@ def test_compiled_flux_blocks_compiled_on_their_own_and_calls_captured(fresh_dyn
 
     def compiled_flux():
         # the C++ wrapper a captured call's blocks compile with, with the CPU's vector ISA (its kernels are CPU ones)
-        with pytest.MonkeyPatch.context() as monkey:
-            monkey.setattr(CompileConfig, "inductor_options",
-                           lambda self, capture: {"cpp_wrapper": True, "emulate_precision_casts": True})
-            c = CompiledFlux(dm, cfg, Setup(torch.device("cpu"), "test-call-graphs"))
+        c = CompiledFlux(dm, cfg, Setup(torch.device("cpu"), {"cpp_wrapper": True, "emulate_precision_casts": True},
+                                        "test-call-graphs"))
         c.runner.call_graphs = CallGraphs(capture=cpu_capture)
         return c, _install(model.clone(), c)[0]
 

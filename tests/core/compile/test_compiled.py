@@ -8,7 +8,8 @@ import torch._dynamo.utils as dynamo_utils
 from fluxaccel.core.compile.config import CompileConfig
 
 from fluxaccel.core.compile.shapes import ShapeKey
-from fluxaccel.core.compile.patch import apply_compile, compiled_of, compiled_parts, remove_compile
+from fluxaccel.core.compile.patch import apply_compile, compiled_of, remove_compile
+from fluxaccel.core.models.loaded import compiled_elsewhere
 from fluxaccel.core.errors import FluxAccelError
 from fluxaccel.core.bench.metrics import rel_err
 from support.models import build_flux
@@ -172,7 +173,7 @@ def test_a_block_compiled_by_another_node_is_refused_for_the_true_reason(tiny_fl
     compiled = tiny_flux.clone()
     compiled.add_object_patch("diffusion_model.double_blocks.0",
                               torch.compile(tiny_flux.model.diffusion_model.double_blocks[0]))
-    assert compiled_parts(compiled) == ["compiled object patch diffusion_model.double_blocks.0"]
+    assert compiled_elsewhere(compiled) == ["compiled object patch diffusion_model.double_blocks.0"]
     with pytest.raises(FluxAccelError, match=r"already compiled or captured by another node \(compiled object patch "
                                              r"diffusion_model\.double_blocks\.0\)\. FluxAccel compiles each FLUX block "
                                              r"itself"):
@@ -212,7 +213,7 @@ def test_per_call_timings_stay_bounded_over_many_calls(tiny_flux, counters):
 
     dm = tiny_flux.model.diffusion_model
     c = CompiledFlux(dm, CompileConfig(persistent_cache=False, separate_process=False),
-                     Setup(torch.device("cpu"), "test", "a CPU"))
+                     Setup(torch.device("cpu"), CompileConfig().inductor_options(capture=False), "test", "a CPU"))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 16, 8, 8, generator=g).bfloat16()
     ctx, y = torch.randn(1, 8, 64, generator=g).bfloat16(), torch.randn(1, 64, generator=g).bfloat16()

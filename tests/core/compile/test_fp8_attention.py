@@ -155,7 +155,7 @@ def test_a_block_whose_qk_norm_weight_cannot_be_read_takes_each_calls_absmax_and
     (d,) = [d for d in compiled.stats.degradations if d.what == "FP8 attention's Q/K scales from the QK-norm bound"]
     assert d.why.startswith("1 of 4 blocks take each call's absmax of Q and K instead: its QK-norm weight cannot be "
                             "read") and "RMSNorm.weight" in d.why, d.why
-    assert "FP8 attention's Q/K scales: 1 of 4 blocks" in caplog.text
+    assert "runs without FP8 attention's Q/K scales from the QK-norm bound: 1 of 4 blocks" in caplog.text
 
 
 def test_refused_where_it_cannot_run(tiny_flux):

@@ -36,7 +36,7 @@ def test_a_real_compile_reports_its_phases_until_ready(tiny_flux, tmp_path, monk
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch._dynamo.reset()
     dm = tiny_flux.model.diffusion_model
-    c = CompiledFlux(dm, CompileConfig(persistent_cache=False, separate_process=False), Setup(torch.device("cpu"), "t"))
+    c = CompiledFlux(dm, CompileConfig(persistent_cache=False, separate_process=False), Setup(torch.device("cpu"), CompileConfig().inductor_options(capture=False), "t"))
     seen = []
 
     def report(text, seconds):

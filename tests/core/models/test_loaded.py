@@ -140,9 +140,9 @@ def test_blocks_captured_by_core_cuda_graphs_are_refused(tiny_flux):
     block = tiny_flux.model.diffusion_model.double_blocks[1]
     comfy.model_prefetch.GRAPH_WARMED_MODULES.add(block)  # what prefetch_queue_pop records before it captures
     try:
-        assert comfy_compat.core_block_graphs(tiny_flux.model.diffusion_model) == ["diffusion_model.double_blocks.1"]
+        assert comfy_compat.compiled_elsewhere(tiny_flux) == ["ComfyUI per-block CUDA graph on diffusion_model.double_blocks.1"]
         with pytest.raises(FluxAccelError, match="per-block CUDA graph on diffusion_model.double_blocks.1"):
             apply_compile(tiny_flux, CompileConfig(separate_process=False))
     finally:
         comfy.model_prefetch.GRAPH_WARMED_MODULES.discard(block)
-    assert comfy_compat.core_block_graphs(tiny_flux.model.diffusion_model) == []
+    assert comfy_compat.compiled_elsewhere(tiny_flux) == []
