@@ -11,8 +11,11 @@ import subprocess
 import sys
 
 import torch
+from torch.torch_version import TorchVersion
 
 from .errors import FluxAccelError
+from .upstream import say, torchao_internals
+from .upstream.comfy_internals import comfyui_version
 
 # torch.compiler.save_cache_artifacts (persistent compile cache) and the Float8Tensor dispatch torchao 0.17+
 # relies on need torch 2.8.
@@ -24,7 +27,6 @@ FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89), Hopper (sm_90), Blackwell: hardware 
 
 def _version(v: str):
     """A version string that compares with tuples by PEP 440 (torch's own TorchVersion: '2.11.0+cu128' >= (2, 8))."""
-    from torch.torch_version import TorchVersion
 
     return TorchVersion(v)
 
@@ -65,7 +67,6 @@ def require_torchao():
 def torchao_fp8_here() -> bool:
     """Whether torchao's own hardware gate (asked by its quantize_) accepts dynamic FP8 in this process. False on a
     CPU-only machine; tests and tools lift the gate for CPU runs (tools/cpu_fp8.py), the plugin never does."""
-    from .upstream import say, torchao_internals
 
     gate = torchao_internals.fp8_gate_open()
     if gate is True or gate is False:
@@ -103,7 +104,6 @@ def describe() -> dict:
             info[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             info[pkg] = None
-    from .upstream.comfy_internals import comfyui_version
 
     info["comfyui"] = comfyui_version()
     if torch.cuda.is_available():

@@ -11,7 +11,7 @@ from comfy_api.latest import io, ui
 
 from ..core import env
 from ..core.bench import chart, results
-from ..core.bench.benchmark import LEGEND, BenchCase, benchmark, markdown_table, rows_to_dicts, table_cells
+from ..core.bench.benchmark import BenchCase, Hooks, LEGEND, benchmark, markdown_table, rows_to_dicts, table_cells
 from ..core.bench.benchmark import notes as bench_notes
 from ..core.compile.patch import compiled_of
 from ..core.models.flux import require_flux
@@ -84,8 +84,8 @@ class Benchmark(io.ComfyNode):
         models = [(base_label if "compile" in base_label else "eager-" + base_label, base),
                   (label or patches.label(model), model)]
         pbar = comfy.utils.ProgressBar(len(models) * (runs + 1) * steps)
-        rows = benchmark(models, case, positive, negative, on_step=lambda step, total: pbar.update(1),
-                         describe=patches.describe)
+        rows = benchmark(models, case, positive, negative,
+                         Hooks(on_step=lambda step, total: pbar.update(1), describe=patches.describe))
         table = markdown_table(rows, case)
         rows_out = rows_to_dicts(rows)
         try:

@@ -35,15 +35,20 @@ def compiled_state(compiled) -> dict:
     return state
 
 
+def _server():
+    """ComfyUI's running PromptServer (a module of the server itself: there is one only inside a running ComfyUI)."""
+    from server import PromptServer
+
+    return PromptServer.instance
+
+
 def compiled_notifier(node_id: str | None):
     """A CompiledFlux.on_compiled callback that tells the editor about the Compile node `node_id`."""
     def notify(compiled) -> None:
         if node_id is None:
             return
         try:
-            from server import PromptServer
-
-            PromptServer.instance.send_sync(COMPILED, {"node": str(node_id), **compiled_state(compiled)})
+            _server().send_sync(COMPILED, {"node": str(node_id), **compiled_state(compiled)})
         except (ImportError, AttributeError, RuntimeError, OSError, ValueError, TypeError) as e:
             # the editor badge is a nicety: never fail a prompt over it (said, not hidden)
             log.warning("FluxAccel: could not update the Compile node's badge in the editor (%s: %s)",
@@ -63,7 +68,6 @@ def progress_text(node_id: str | None):
             log.info("FluxAccel: %s", text)
         if node_id is None:
             return
-        from server import PromptServer
-
-        PromptServer.instance.send_progress_text(text, str(node_id), PromptServer.instance.client_id)
+        server = _server()
+        server.send_progress_text(text, str(node_id), server.client_id)
     return report

@@ -1,10 +1,11 @@
 import math
 
+import comfy.model_management
 import comfy.utils
 from comfy_api.latest import io, ui
 
 from ..core.compile.patch import compiled_of
-from ..core.compile.warmup import NODE, REMOVED_INPUTS, TICKS, parse_resolutions, warmup
+from ..core.compile.warmup import NODE, REMOVED_INPUTS, TICKS, WarmupPlan, parse_resolutions, warmup
 from ..core.inputs import known_inputs
 from . import ids
 from .events import progress_text
@@ -25,13 +26,11 @@ class _Bar:
     def compiling(self, text: str, seconds: float) -> None:
         """Called from the compile's watcher thread. ComfyUI's progress hook takes a pending interrupt (it clears the
         flag and raises): here it would be lost to the sampler's thread, so the flag is set again for it."""
-        import comfy.model_management as mm
-
         self.text(text, seconds)
         try:
             self.bar.update_absolute(self.done * TICKS + int(0.9 * TICKS * (1 - math.exp(-seconds / 45))))
-        except mm.InterruptProcessingException:
-            mm.interrupt_current_processing(True)
+        except comfy.model_management.InterruptProcessingException:
+            comfy.model_management.interrupt_current_processing(True)
 
 
 class Warmup(io.ComfyNode):
@@ -74,8 +73,8 @@ class Warmup(io.ComfyNode):
         known_inputs(removed, (), REMOVED_INPUTS, NODE)
         res = parse_resolutions(resolutions)
         bar = _Bar(len(res) * steps, cls.hidden.unique_id)
-        warmed, secs = warmup(model, res, batch_size, text_length, cfg, steps, positive, negative,
-                              on_step=bar.step, on_compile=bar.compiling)
+        plan = WarmupPlan(res, batch_size, text_length, cfg, steps)
+        warmed, secs = warmup(model, plan, positive, negative, on_step=bar.step, on_compile=bar.compiling)
         text = "\n".join(ready_lines(warmed, secs))
         return io.NodeOutput(warmed, ui=ui.PreviewText(text))
 

@@ -17,8 +17,12 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
+import comfy.model_management as mm
+import comfy.sample
+import comfy.samplers
 import torch
 
+from ..compile.patch import compiled_of
 from ..models.flux import latent_scale
 from .metrics import rel_err, sqnr_db
 
@@ -82,10 +86,36 @@ def empty_latent(model, case: BenchCase) -> torch.Tensor:
     return torch.zeros(case.batch, ch, case.height // scale, case.width // scale)
 
 
-def sample_timed(model, case: BenchCase, positive, negative, latent, on_step: Callable | None = None):
-    """One real ComfyUI sampling run; returns (latent, seconds, per-step seconds). Loading is not timed."""
-    import comfy.model_management as mm
-    import comfy.sample
+@dataclass(frozen=True)
+class Hooks:
+    """What a benchmark tells as it runs: on_progress(message) what runs; on_step(step, total) after every sampling
+    step (total steps over the whole benchmark: len(models) * (runs + 1) * steps); describe(model) the row's `extra`."""
+
+    on_progress: Callable[[str], None] | None = None
+    on_step: Callable | None = None
+    describe: Callable[[object], dict] | None = None
+
+    def say(self, message: str) -> None:
+        (self.on_progress or (lambda msg: log.info("%s", msg)))(message)
+
+
+@dataclass(frozen=True)
+class Runs:
+    """What every sampling run of one benchmark uses: the case, the conditioning, the empty latent, the hooks."""
+
+    case: BenchCase
+    positive: object
+    negative: object
+    latent: torch.Tensor
+    hooks: Hooks = Hooks()
+
+
+def sample_timed(model, runs: Runs, timed_steps: bool = True):
+    """One real ComfyUI sampling run; returns (latent, seconds, per-step seconds). Loading is not timed. timed_steps
+    False: a warm-up run of one step, not told to on_step."""
+    case = runs.case if timed_steps else replace(runs.case, steps=1)
+    on_step = runs.hooks.on_step if timed_steps else None
+    positive, negative, latent = runs.positive, runs.negative, runs.latent
 
     mm.load_models_gpu([model])
     dev = model.load_device
@@ -133,7 +163,6 @@ def denoiser_outputs(model, case: BenchCase, positive, negative=None, sigmas=FID
     """The model's denoised prediction for fixed inputs at each sigma (the 'single forward' check), through ComfyUI's
     own sampling path: a CFGGuider with the case's cfg and conditioning (the model's extra_conds, its wrappers,
     calc_cond_batch's batching), and a one-call sampler over the sigmas [s, 0]."""
-    import comfy.samplers
 
     latent = empty_latent(model, case)
     g = torch.Generator().manual_seed(case.seed + 1)
@@ -160,7 +189,6 @@ def unique_labels(models: list[tuple[str, object]]) -> list[tuple[str, object]]:
 @contextlib.contextmanager
 def _compiling_here(models):
     """The compiled models among `models` compile in their first call, in this process (CompiledFlux.compiling_here)."""
-    from ..compile.patch import compiled_of
 
     with contextlib.ExitStack() as stack:
         for _, m in models:
@@ -170,39 +198,37 @@ def _compiling_here(models):
         yield
 
 
-def _first_runs(models, case: BenchCase, positive, negative, latent, say, on_step) -> tuple[dict, dict, dict]:
+def _first_runs(models, runs: Runs) -> tuple[dict, dict]:
     """Each model's first run (load, compile or cache load, capture): seconds and final latent.
     The accelerated models run before the baseline, so that an accelerated model's first run is what a fresh ComfyUI
     process pays for its first image, not also the switch away from a baseline loaded just before it."""
-    import comfy.model_management as mm
 
     dev = models[0][1].load_device
     first, latents = {}, {}
     for label, m in models[1:] + models[:1]:
-        say(f"{label}: first run (load, compile, capture)")
+        runs.hooks.say(f"{label}: first run (load, compile, capture)")
         _sync(dev)
         t0 = time.perf_counter()
         mm.load_models_gpu([m])
-        latents[label], _, _ = sample_timed(m, case, positive, negative, latent, on_step)
+        latents[label], _, _ = sample_timed(m, runs)
         first[label] = time.perf_counter() - t0
     return first, latents
 
 
-def _timed_runs(models, case: BenchCase, positive, negative, latent, say, on_step) -> tuple[dict, dict, dict]:
+def _timed_runs(models, runs: Runs) -> tuple[dict, dict, dict]:
     """case.runs timed runs per model, alternating A/B/... so drift (clocks, heat) hits every model alike: seconds
     per run, step times per run, peak VRAM (GiB, None off CUDA)."""
-    import comfy.model_management as mm
 
     dev = models[0][1].load_device
     times, steps, peaks = {label: [] for label, _ in models}, {label: [] for label, _ in models}, {}
-    for r in range(case.runs):
+    for r in range(runs.case.runs):
         for label, m in models:
-            say(f"{label}: timed run {r + 1}/{case.runs}")
+            runs.hooks.say(f"{label}: timed run {r + 1}/{runs.case.runs}")
             mm.load_models_gpu([m])
             # one untimed step: after a model switch, weights may sit at new addresses and CUDA graphs re-record
-            sample_timed(m, replace(case, steps=1), positive, negative, latent)
+            sample_timed(m, runs, timed_steps=False)
             _reset_peak(dev)
-            _, secs, st = sample_timed(m, case, positive, negative, latent, on_step)
+            _, secs, st = sample_timed(m, runs)
             peak = _peak_gib(dev)
             peaks[label] = max(peaks.get(label) or 0.0, peak) if peak is not None else None
             times[label].append(secs)
@@ -211,20 +237,14 @@ def _timed_runs(models, case: BenchCase, positive, negative, latent, say, on_ste
 
 
 def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negative,
-              on_progress: Callable[[str], None] | None = None, on_step: Callable | None = None,
-              describe: Callable[[object], dict] | None = None) -> list[BenchRow]:
-    """Measure each (label, ModelPatcher); the first one is the baseline (speedup and errors against it).
-
-    on_progress(message) is told what runs; on_step(step, total) is called after every sampling step
-    (total steps over the whole benchmark: len(models) * (runs + 1) * steps).
-    """
-    say = on_progress or (lambda msg: log.info("%s", msg))
+              hooks: Hooks = Hooks()) -> list[BenchRow]:
+    """Measure each (label, ModelPatcher); the first one is the baseline (speedup and errors against it)."""
     models = unique_labels(models)
-    latent = empty_latent(models[0][1], case)
+    runs = Runs(case, positive, negative, empty_latent(models[0][1], case), hooks)
     with _compiling_here(models):  # the first run's cost is the compile's (or waits for a separate one running)
-        first, latents = _first_runs(models, case, positive, negative, latent, say, on_step)
-        times, steps, peaks = _timed_runs(models, case, positive, negative, latent, say, on_step)
-    say("fidelity: denoiser forwards at sigmas " + ", ".join(map(str, FIDELITY_SIGMAS)))
+        first, latents = _first_runs(models, runs)
+        times, steps, peaks = _timed_runs(models, runs)
+    hooks.say("fidelity: denoiser forwards at sigmas " + ", ".join(map(str, FIDELITY_SIGMAS)))
     den = {label: denoiser_outputs(m, case, positive, negative) for label, m in models}
     base = models[0][0]
     rows = []
@@ -239,7 +259,7 @@ def benchmark(models: list[tuple[str, object]], case: BenchCase, positive, negat
             step_times=step_med, peak_vram_gib=peaks.get(label), denoiser_rel_err=rel_err(cat_o, cat_r),
             denoiser_sqnr_db=sqnr_db(cat_o, cat_r), denoiser_rel_err_per_sigma=per_sigma,
             final_latent_rel_err=rel_err(latents[label], latents[base]),
-            extra=describe(m) if describe else {},
+            extra=hooks.describe(m) if hooks.describe else {},
         ))
         if (rows[-1].extra.get("compile") or {}).get("cache_loaded"):
             rows[-1].first_run_cached_s = first[label]

@@ -7,9 +7,18 @@ speedup of each row against its own baseline (bars with their values, 1x marked)
 """
 from __future__ import annotations
 
+import io
 import math
 
 import numpy as np
+import torch
+
+try:  # a requirement of FluxAccel; without it the Benchmark says so in its table instead of drawing
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+except ImportError:
+    FigureCanvasAgg = Figure = MaxNLocator = None
 
 # colour-blind-safe (Okabe-Ito), dark enough on the light background
 COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#000000")
@@ -50,12 +59,9 @@ def _bars(ax, values, fmt, title, unit):
 
 def render(rows: list[dict]):
     """A matplotlib Figure of the rows (to_image_tensor makes it a ComfyUI IMAGE)."""
-    try:
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
-    except ImportError as e:
+    if Figure is None:
         raise ChartUnavailable("the chart needs matplotlib: python -m pip install matplotlib into ComfyUI's Python "
-                               "(FluxAccel's requirements.txt lists it)") from e
+                               "(FluxAccel's requirements.txt lists it)")
     data = chart_data(rows)
     names = data["configs"]
     fig = Figure(figsize=SIZE_IN, dpi=DPI, facecolor="#f7f7f4", layout="constrained")
@@ -88,10 +94,6 @@ def render(rows: list[dict]):
 
 def to_png(fig) -> bytes:
     """The figure as PNG bytes (the chart file kept beside the results)."""
-    import io
-
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
     buf = io.BytesIO()
     FigureCanvasAgg(fig).print_png(buf)
     return buf.getvalue()
@@ -99,9 +101,6 @@ def to_png(fig) -> bytes:
 
 def to_image_tensor(fig):
     """ComfyUI IMAGE: float32 [1, H, W, 3] in 0..1."""
-    import torch
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     rgba = np.asarray(canvas.buffer_rgba(), dtype=np.float32)[..., :3] / 255.0

@@ -35,6 +35,7 @@ import threading
 import time
 import tokenize
 import types
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -119,14 +120,31 @@ def _no_guards(entries) -> list[bool]:
     return [False] * len(entries)
 
 
-def aot_compile(dm: torch.nn.Module, options: dict, args: tuple, kwargs: dict, fn: Callable | None = None) -> Callable:
-    """Trace and compile one call of dm (its class's forward, dm passed as self; or `fn`, a module-level function
-    taking dm first, e.g. a block's body) ahead of running it."""
+@dataclass(frozen=True)
+class Call:
+    """One call to compile: dm's class's forward with dm passed as self, or `fn`, a module-level function taking dm
+    first (e.g. a block's body)."""
+
+    dm: torch.nn.Module
+    args: tuple
+    kwargs: dict
+    fn: Callable | None = None
+
+    def signature(self) -> str:
+        """The package's call signature (signature() of the call; fn's and dm's names are part of it)."""
+        named = self.args if self.fn is None else (f"{self.fn.__module__}.{self.fn.__qualname__}",
+                                                   f"{type(self.dm).__module__}.{type(self.dm).__qualname__}",
+                                                   *self.args)
+        return signature(named, portable(self.kwargs))
+
+
+def aot_compile(call: Call, options: dict) -> Callable:
+    """Trace and compile one call ahead of running it."""
     # torch 2.9-2.11: off by default, and read when torch.compile wraps the function (for this call only)
     with TORCH_COMPILE_LOCK, torch_internals.enable_aot_compile(), torch_internals.vec_isa_list_kept():
-        target = torch.compile(fn or type(dm).forward, backend="inductor", fullgraph=True, dynamic=False,
+        target = torch.compile(call.fn or type(call.dm).forward, backend="inductor", fullgraph=True, dynamic=False,
                                options={**options, "guard_filter_fn": _no_guards})
-        compiled = target.aot_compile(((dm, *args), kwargs))
+        compiled = target.aot_compile(((call.dm, *call.args), call.kwargs))
     _skip_guard_check(compiled)
     return compiled
 
@@ -322,14 +340,11 @@ class Packages:
         """Whether this signature's package is loaded, loading, or on disk."""
         return sig in self.calls or sig in self.pending or self.store.path(sig).is_file()
 
-    def get(self, key, dm: torch.nn.Module, args: tuple, kwargs: dict, loading=None,
-            fn: Callable | None = None) -> Callable | None:
-        """This call's compiled function (dm is passed as its first argument), or None: torch.compile runs it. fn: a
-        module-level function to compile in place of dm's forward (its name is part of the signature)."""
+    def get(self, key, call: Call, loading=None) -> Callable | None:
+        """This call's compiled function (call.dm is passed as its first argument), or None: torch.compile runs it.
+        loading: a context manager around a package's load (the compile watch's phase)."""
         try:
-            named = args if fn is None else (f"{fn.__module__}.{fn.__qualname__}",
-                                             f"{type(dm).__module__}.{type(dm).__qualname__}", *args)
-            sig = signature(named, portable(kwargs))
+            sig = call.signature()
         except NotPackageable as e:
             self.settle()  # torch.compile traces this call: not while a package loads in the background
             if key not in self.outcome:
@@ -339,7 +354,7 @@ class Packages:
             return None
         self.signature_of[key] = sig
         if sig not in self.calls:
-            self.calls[sig] = self._load_or_compile(key, sig, dm, args, kwargs, loading, fn)
+            self.calls[sig] = self._load_or_compile(key, sig, call, loading)
         return self.calls[sig]
 
     def blocks_of(self, shape) -> list[str] | None:
@@ -369,7 +384,7 @@ class Packages:
             with contextlib.suppress(Exception):
                 fut.result()
 
-    def _load_or_compile(self, key, sig: str, dm, args: tuple, kwargs: dict, loading, fn=None) -> Callable | None:
+    def _load_or_compile(self, key, sig: str, call: Call, loading) -> Callable | None:
         t0 = time.perf_counter()
         early = self.pending.pop(sig, None)
         with loading() if loading is not None else contextlib.nullcontext():
@@ -381,7 +396,7 @@ class Packages:
             return loaded
         breaks = torch_internals.graph_break_error()
         try:
-            compiled = aot_compile(dm, self.options, args, kwargs, fn)
+            compiled = aot_compile(call, self.options)
         except Exception as e:  # noqa: BLE001 -- any failure to package: said, and torch.compile runs the call
             if isinstance(breaks, type) and isinstance(e, breaks):
                 raise  # not one graph: the runner turns it into an error (runner.one_graph)

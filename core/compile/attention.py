@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ..upstream import comfy_internals
 
 OVERRIDE_KEY = "optimized_attention_override"  # ComfyUI's transformer_options key (comfy/ldm/modules/attention.py)
 
 
 def priority() -> list:
-    from torch.nn.attention import SDPBackend
-
     return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA of (batch, heads, tokens, head_dim) tensors with cuDNN first, then flash, mem-efficient, math."""
-    from torch.nn.attention import sdpa_kernel
 
     if mask is not None:  # as ComfyUI's attention_pytorch: broadcast a (tokens, tokens) or (b, t, t) mask over heads
         if mask.ndim == 2:
@@ -43,8 +43,7 @@ UNTRACEABLE = ("attention_sub_quad", "attention_split")
 
 def comfy_attention_name() -> str:
     """The attention function ComfyUI chose at start for FLUX (comfy.ldm.flux.math.optimized_attention)."""
-    import comfy.ldm.flux.math as fm
-
+    fm = comfy_internals.flux_math()
     fn = getattr(fm.optimized_attention, "__wrapped__", fm.optimized_attention)
     return getattr(fn, "__name__", repr(fn))
 

@@ -31,6 +31,8 @@ import sys
 
 import torch
 
+from ..cache.packages import Call
+
 from . import single_block
 from .attention import OVERRIDE_KEY
 from .fp8_attention import SCALES_KEY, qk_scales
@@ -171,8 +173,8 @@ class _Packaged:
         self.kind = DOUBLE if fn is _double_body else SINGLE
 
     def __call__(self, block, *args):
-        package = self.packages.get(BlockCall(self.table.shape, self.kind), block, args, {}, self.table.loading,
-                                    fn=self.fn)
+        package = self.packages.get(BlockCall(self.table.shape, self.kind), Call(block, args, {}, self.fn),
+                                    self.table.loading)
         return self.fn_compiled(block, *args) if package is None else package(block, *args)
 
 

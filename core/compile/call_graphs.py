@@ -156,7 +156,7 @@ class CallGraphs:
                 self._see(key, spec, objects)
                 self.uncaptured += 1
                 return fn(*args, **kwargs)
-            g = self._capture(spec, key, model, fn, args, kwargs, tensors, objects)
+            g = self._capture(spec, model, (fn, args, kwargs), tensors, objects)
             if g is None:
                 self.uncaptured += 1
                 return fn(*args, **kwargs)
@@ -188,7 +188,9 @@ class CallGraphs:
                         "structure run compiled without a graph", self.limit, key.describe())
         return False
 
-    def _capture(self, spec, key, model, fn, args, kwargs, tensors, objects) -> Graph | None:
+    def _capture(self, spec, model, call: tuple, tensors, objects) -> Graph | None:
+        """Capture call = (fn, args, kwargs) on static copies of its tensors; spec = (shape key, structure)."""
+        key, (fn, args, kwargs) = spec[0], call
         inputs = [t.clone() for t in tensors]
         s_args, s_kwargs = rebuilt((args, kwargs), inputs)
         t0 = time.perf_counter()

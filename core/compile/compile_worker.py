@@ -22,6 +22,11 @@ import time
 import traceback
 from pathlib import Path
 
+try:  # a ComfyUI requirement; only read where the parent pid cannot tell (not POSIX)
+    import psutil
+except ImportError:
+    psutil = None
+
 log = logging.getLogger("fluxaccel.compile")
 
 
@@ -37,9 +42,7 @@ def parent_alive(pid: int):
     elsewhere psutil (a ComfyUI requirement) tells, knowing a pid that another process took since."""
     if os.name == "posix":
         return lambda: os.getppid() == pid
-    try:
-        import psutil
-    except ImportError:
+    if psutil is None:
         return None
     try:
         return psutil.Process(pid).is_running

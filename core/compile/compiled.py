@@ -22,7 +22,7 @@ from .blocks import BlockTable
 from .call_graphs import CallGraphs
 from .config import CompileConfig
 from .options import attention_override, refuse_unsupported
-from .runner import Runner
+from .runner import ModelCall, Runner
 from .shapes import ShapeKey, ShapePolicy, shape_key, without_references
 from .stats import CompileStats
 from .telemetry import Telemetry
@@ -128,22 +128,22 @@ class CompiledFlux(torch.nn.Module):
             return self._dm(x, timestep, context=context, transformer_options=transformer_options, **kwargs)
         if decision == "new":
             self.stats.shapes.append(key)
+        call = ModelCall(x, timestep, context, transformer_options, kwargs)
         if key in self.stats.compile_seconds:
             with self.telemetry.warm_call(x):
-                out = self.runner(key, x, timestep, context, transformer_options, kwargs)
-        elif self.separate is not None and self.separate.runs_uncompiled(self, key, x, timestep, context,
-                                                                          transformer_options, kwargs):
+                out = self.runner(key, call)
+        elif self.separate is not None and self.separate.runs_uncompiled(self, key, call):
             self.stats.eager_calls += 1  # uncompiled while a separate process compiles the shape: counted, shown
             self.stats.uncompiled_while_compiling += 1
-            return self._dm(x, timestep, context=context, transformer_options=transformer_options, **kwargs)
+            return call.run(self._dm)
         else:  # artifacts recorded for this model's kernel-cache file only; the CPU ISA list the options set: not kept
             recording = self.cache.recording() if self.cache is not None else contextlib.nullcontext()
             with self.telemetry.first_call(key, transformer_options, x) as watch, recording, \
                     torch_internals.vec_isa_list_kept():
-                out = self.runner(key, x, timestep, context, transformer_options, kwargs, watch.loading_package)
+                out = self.runner(key, call, watch.loading_package)
             if self.cache is not None:
                 self.cache.save()
             if self.separate is not None:  # the index of the shape's per-block packages
-                self.separate.record(self, key, x, timestep, context, transformer_options, kwargs)
+                self.separate.record(self, key, call)
         self.telemetry.count_call(self.runner.paused)
         return out

@@ -116,7 +116,7 @@ def sdpa_fp8(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=
     qs, ks = (qk[0], qk[1]) if qk is not None else (_absmax_scale(q), _absmax_scale(k))
     vs = _absmax_scale(v)
     descale = [s.reshape(1, 1).expand(b, h) for s in (qs, ks, vs)]
-    out = fa3_internals.fp8_forward(_fp8(q, qs), _fp8(k, ks), _fp8(v, vs), *descale, softmax_scale=d ** -0.5)
+    out = fa3_internals.fp8_forward((_fp8(q, qs), _fp8(k, ks), _fp8(v, vs)), tuple(descale), softmax_scale=d ** -0.5)
     out = out.to(q.dtype)  # (batch, tokens, heads, dim)
     if skip_output_reshape:
         return out.transpose(1, 2)

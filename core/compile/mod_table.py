@@ -31,6 +31,7 @@ import logging
 import time
 
 import torch
+from torch.library import wrap_triton
 
 from ..models import swaps
 from ..quant.act_quant import _register as register_triton_op
@@ -62,15 +63,12 @@ def _rows_reference(vec, rows, weight, bias, table):
 
 
 def _rows_gpu(vec, rows, weight, bias, table):
-    import triton
-    from torch.library import wrap_triton
-
-    from .mod_table_kernel import modulation_rows_kernel
+    from .mod_table_kernel import modulation_rows_kernel  # imports Triton: only at a GPU call
 
     b, n = vec.shape[0], weight.shape[0]
     out = torch.empty((b, n), device=vec.device, dtype=vec.dtype)
     block_n = 128
-    wrap_triton(modulation_rows_kernel)[(b, triton.cdiv(n, block_n))](
+    wrap_triton(modulation_rows_kernel)[(b, -(-n // block_n))](
         vec, rows, weight, weight if bias is None else bias, table, out, n, vec.shape[1], vec.stride(0),
         weight.stride(0), table.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_D=64)
     return out
@@ -287,11 +285,12 @@ class ModTable:
         process compiles the call, it builds no table."""
         return {**self.__dict__, "timestep_of": None, "run": None}
 
-    def prepare(self, dm, x: torch.Tensor, timestep: torch.Tensor, kwargs: dict, transformer_options: dict) -> bool:
-        """Before a call (host side): the table built at a sampling run's first call; whether this call can look rows
-        up (a run, its weights as stored, and the batch layout of the run's first call)."""
+    def prepare(self, dm, call) -> bool:
+        """Before a call (runner.ModelCall; host side): the table built at a sampling run's first call; whether this
+        call can look rows up (a run, its weights as stored, and the batch layout of the run's first call)."""
+        x, timestep, kwargs = call.x, call.timestep, call.kwargs
         y, guidance, batch = kwargs.get("y"), kwargs.get("guidance"), timestep.shape[0]
-        sigmas = transformer_options.get("sample_sigmas")
+        sigmas = call.transformer_options.get("sample_sigmas")
         usable = sigmas is not None and batch <= MAX_BATCH and timestep.ndim == 1
         if usable:
             guidance = guidance if guidance is not None and dm.params.guidance_embed else None

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 
+from comfy.patcher_extension import WrappersMP
 import torch
 
 from ..env import require_torch
 from ..errors import FluxAccelError
 from ..models import swaps
-from ..models.flux import FluxModel
+from ..models.flux import FluxModel, on_load_callback_type
 from ..models.loaded import compiled_elsewhere
 from ..upstream import Unavailable, comfy_internals, torch_internals
 from . import fp8_attention, mod_table, single_block
@@ -30,8 +31,6 @@ NODE = "Compile + CUDA Graph (FluxAccel)"
 
 
 def _apply_model_type() -> str:
-    from comfy.patcher_extension import WrappersMP
-
     return WrappersMP.APPLY_MODEL
 
 
@@ -130,7 +129,6 @@ def remove_compile(model):
     """A clone running the uncompiled model (the Benchmark's default baseline)."""
     if compiled_of(model) is None:
         return model
-    from ..models.flux import on_load_callback_type
 
     clone = model.clone()
     clone.remove_wrappers_with_key(_apply_model_type(), COMPILE_KEY)

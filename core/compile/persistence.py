@@ -6,6 +6,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from ..cache import packages as warm_start
+from ..cache.kernels import KernelCache
+from .separate import SeparateCompiles
+
 log = logging.getLogger("fluxaccel.compile")
 
 
@@ -22,12 +26,10 @@ def open_for(cfg, setup, stats) -> Persistence:
     the CompiledFlux's (compiled.Setup: its key, device and inductor options), `stats` its CompileStats."""
     if not cfg.persistent_cache:
         return Persistence()
-    from ..cache.kernels import KernelCache
-    from ..cache.packages import Packages, WarmStart, available
 
     cache = KernelCache(setup.cache_key)
     stats.cache_loaded = cache.load()
-    usable, why = available()
+    usable, why = warm_start.available()
     if not usable:
         stats.warm_start_off = why
         stats.degrade("warm start", f"{why}; a restarted ComfyUI traces the blocks again")
@@ -37,10 +39,9 @@ def open_for(cfg, setup, stats) -> Persistence:
             stats.degrade("compile in a separate process", f"{why}; a new shape compiles in its first call")
             log.warning("FluxAccel: no compile in a separate process: %s; a new shape compiles in its first call", why)
         return Persistence(cache)
-    packages = Packages(WarmStart(cache.key, cache.dir), setup.options)
+    packages = warm_start.Packages(warm_start.WarmStart(cache.key, cache.dir), setup.options)
     packages.prefetch(cfg.max_shapes * 2, setup.device)  # one package per block kind and shape
     if not cfg.separate_process:
         return Persistence(cache, packages)
-    from .separate import SeparateCompiles
 
     return Persistence(cache, packages, SeparateCompiles(packages.store, cfg, setup.device, setup.options))

@@ -13,6 +13,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable
 
+from ..upstream import Unavailable, torch_internals
+
 log = logging.getLogger("fluxaccel.compile")
 
 # (timer that ends the phase, what runs until then), in the order a compile runs them
@@ -33,7 +35,6 @@ UNKNOWN_PHASE = "phase unknown (torch's compile timers are not where FluxAccel r
 
 def _counts() -> dict[str, int] | None:
     """How many times each phase's timer has ended so far; None where torch does not expose its timers."""
-    from ..upstream import Unavailable, torch_internals
 
     timers = torch_internals.compile_timers()  # an empty dict before the process's first compile
     return None if isinstance(timers, Unavailable) else {k: len(timers.get(k, ())) for k, _ in PHASES}

@@ -4,6 +4,7 @@ CUDA graph or replayed where FluxAccel captures, the output copied out of graph 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +45,23 @@ def one_graph():
         ) from e
 
 
+@dataclass(frozen=True)
+class ModelCall:
+    """One call of the diffusion model as ComfyUI makes it: the latent, the timestep, the text, the transformer
+    options and the other keyword arguments (y, guidance, reference latents, ...)."""
+
+    x: torch.Tensor
+    timestep: torch.Tensor
+    context: torch.Tensor | None
+    transformer_options: dict
+    kwargs: dict
+
+    def run(self, dm: torch.nn.Module):
+        """The call on `dm` as ComfyUI would make it (uncompiled)."""
+        return dm(self.x, self.timestep, context=self.context, transformer_options=self.transformer_options,
+                  **self.kwargs)
+
+
 class Runner:
     """Runs one compiled model call: `dm` (the diffusion model, run as it is) with `blocks` (blocks.BlockTable: each
     kind of block compiled once); `call_graphs` (call_graphs.CallGraphs, or None): each call captured whole;
@@ -55,14 +73,13 @@ class Runner:
         self.call_graphs, self.mod_table = call_graphs, mod_table
         self.paused = False
 
-    def call_kwargs(self, context, transformer_options: dict, kwargs: dict) -> dict:
+    def call_kwargs(self, call: ModelCall) -> dict:
         """The keyword arguments of the compiled call (the model's own, with call_options' transformer_options)."""
-        return dict(context=context, transformer_options=call_options(transformer_options, self.blocks,
-                                                                       self.attention), **kwargs)
+        return dict(context=call.context, transformer_options=call_options(call.transformer_options, self.blocks,
+                                                                            self.attention), **call.kwargs)
 
-    def __call__(self, key, x, timestep, context, transformer_options: dict, kwargs: dict,
-                 loading=contextlib.nullcontext):
-        call_kwargs = self.call_kwargs(context, transformer_options, kwargs)
+    def __call__(self, key, call: ModelCall, loading=contextlib.nullcontext):
+        call_kwargs, x, timestep = self.call_kwargs(call), call.x, call.timestep
         self.blocks.shape, self.blocks.loading = key, loading  # per-block packages name the shape, say their load
         # plain-torch RoPE (rope.py); persistent row reductions (reductions.py); outside the Comfy model compiler's
         # memory plan, should one be recording
@@ -70,7 +87,7 @@ class Runner:
                 comfy_internals.outside_model_compiler() as self.paused:
             fn = self.dm
             if self.mod_table is not None:  # built at a run's first call; the rows looked up inside the call
-                fn = self.mod_table.around(fn, self.mod_table.prepare(self.dm, x, timestep, kwargs, transformer_options))
+                fn = self.mod_table.around(fn, self.mod_table.prepare(self.dm, call))
             if self.call_graphs is not None:  # captured (or replayed) whole; its output is already a copy
                 return self.call_graphs(key, self.dm, fn, (x, timestep), call_kwargs)
             return fn(x, timestep, **call_kwargs)

@@ -33,15 +33,16 @@ from pathlib import Path
 
 import torch
 
+from ..cache.kernels import KernelCache
+from ..cache.packages import NotPackageable, Packages, WarmStart, call_description, portable, signature
 from ..upstream import Unavailable, comfy_internals
 from . import skeleton
 from .blocks import BlockTable
 from .config import CompileConfig
-from ..cache.kernels import KernelCache
+from .fp8_attention import why_not
 from .reductions import persistent
 from .rope import torch_rope
 from .runner import recompile_budget
-from ..cache.packages import NotPackageable, Packages, WarmStart, call_description, portable, signature
 
 log = logging.getLogger("fluxaccel.compile")
 
@@ -193,8 +194,8 @@ class SeparateCompiles:
                  "uncompiled, each call counted", shape, job.proc.pid, job.log_path)
         return job
 
-    def runs_uncompiled(self, compiled, key, x, timestep, context, transformer_options: dict, kwargs: dict) -> bool:
-        """Whether this call of `compiled` (a CompiledFlux) runs uncompiled because a separate process compiles its
+    def runs_uncompiled(self, compiled, key, call) -> bool:
+        """Whether this call (runner.ModelCall) of `compiled` (a CompiledFlux) runs uncompiled because a separate process compiles its
         shape (started at the shape's first call); False once that process wrote the package (loaded in this call),
         or where the shape compiles in this call: compiled.here (Warmup, Benchmark), a package on disk, or a separate
         compile refused or failed (recorded in compiled.stats, said in the log)."""
@@ -202,7 +203,7 @@ class SeparateCompiles:
         if job is None:
             if compiled.here:
                 return False
-            job = self._start_for(compiled, key, x, timestep, context, transformer_options, kwargs)
+            job = self._start_for(compiled, key, call)
             if job is None:
                 return False
         state = job.poll()
@@ -221,16 +222,16 @@ class SeparateCompiles:
                                        f"{job.why}; compiled in its first call", "off" if state == "refused" else "lost")
         return False
 
-    def _start_for(self, compiled, key, x, timestep, context, transformer_options: dict, kwargs: dict) -> Job | None:
+    def _start_for(self, compiled, key, call) -> Job | None:
         """Start the separate compile of this call's shape; None where its package is on disk already, or the call
         cannot have one (the runner then loads it, or compiles here and says why)."""
-        call_kwargs = compiled.runner.call_kwargs(context, transformer_options, kwargs)
-        sig = self._signature(x, timestep, call_kwargs)
+        call_kwargs = compiled.runner.call_kwargs(call)
+        sig = self._signature(call.x, call.timestep, call_kwargs)
         if sig is None:
             return None
         if compiled.packages.store.blocks_on_disk(sig):
             return None
-        job = self.start(key, sig, compiled.runner.dm, (x, timestep), call_kwargs)
+        job = self.start(key, sig, compiled.runner.dm, (call.x, call.timestep), call_kwargs)
         compiled.stats.separate[key] = job.describe()
         compiled.telemetry.notify()
         if job.state == "running":
@@ -250,13 +251,13 @@ class SeparateCompiles:
         except NotPackageable:
             return None
 
-    def record(self, compiled, key, x, timestep, context, transformer_options: dict, kwargs: dict) -> None:
+    def record(self, compiled, key, call) -> None:
         """After a shape's first compiled call here (its blocks compiled or loaded in this process): write the index
         of its per-block packages, so that a restart loads them instead of starting a separate compile."""
         blocks = compiled.packages.blocks_of(key)
         if not blocks:
             return
-        sig = self._signature(x, timestep, compiled.runner.call_kwargs(context, transformer_options, kwargs))
+        sig = self._signature(call.x, call.timestep, compiled.runner.call_kwargs(call))
         if sig is not None and not compiled.packages.store.blocks_on_disk(sig):
             compiled.packages.store.save_blocks(sig, blocks)
 
@@ -285,8 +286,6 @@ def why_not_here(cfg: CompileConfig, device: torch.device) -> str:
     """What this process lacks for the job's configuration ("" if nothing). The server checked its own; FP8
     attention's check here also registers FlashAttention-3's op with torch, which the traced call looks up."""
     if cfg.attention == "fp8":
-        from .fp8_attention import why_not
-
         why = why_not(device)
         if why:
             return f"attention 'fp8' cannot run in the compile process: {why}"

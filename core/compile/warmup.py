@@ -6,16 +6,18 @@ import contextlib
 import logging
 import re
 import time
+from dataclasses import dataclass
 from typing import Callable
 
+import comfy.sample
 import torch
 
-from .shapes import ShapeKey, dtype_name, references
-from .progress import Report
-from .patch import with_own_shapes
 from ..errors import FluxAccelError
 from ..models.flux import latent_scale, require_flux
 from ..models.synthetic import synthetic_conditioning_for
+from .patch import with_own_shapes
+from .progress import Report
+from .shapes import ShapeKey, dtype_name, references
 
 log = logging.getLogger("fluxaccel.warmup")
 
@@ -74,14 +76,28 @@ def text_tokens(model, context: torch.Tensor) -> int:
         return int(context.shape[1])
 
 
-def _shapes(model, resolutions: list[tuple], batch_size: int, cfg: float, positive, negative):
+@dataclass(frozen=True)
+class WarmupPlan:
+    """What Warmup samples: the resolutions (width, height, and the reference-image sizes where one lists any:
+    parse_resolutions), the batch size, the synthetic conditioning's text length (where no conditioning is given),
+    the CFG (above 1, ComfyUI batches cond and uncond into one call) and the sampling steps per resolution."""
+
+    resolutions: list[tuple]
+    batch_size: int = 1
+    text_length: int = 256
+    cfg: float = 1.0
+    steps: int = 2
+
+
+def _shapes(model, plan: WarmupPlan, positive, negative):
     """Per resolution (with its reference-image sizes, if it lists any): (its ShapeKey, positive, negative, latent)."""
     text_len = text_tokens(model, positive[0][0])
-    model_batch = batch_size * (2 if cfg > 1 else 1)  # ComfyUI batches cond and uncond into one call
+    batch_size = plan.batch_size
+    model_batch = batch_size * (2 if plan.cfg > 1 else 1)  # ComfyUI batches cond and uncond into one call
     dtype = model.model.get_dtype() if model.model.manual_cast_dtype is None else model.model.manual_cast_dtype
     ch = model.model.latent_format.latent_channels
     scale = latent_scale(model)
-    for w, h, *listed in resolutions:
+    for w, h, *listed in plan.resolutions:
         pos, neg = positive, negative
         if listed:
             pos, neg = (_with_references(c, listed[0], ch, scale) for c in (positive, negative))
@@ -90,39 +106,37 @@ def _shapes(model, resolutions: list[tuple], batch_size: int, cfg: float, positi
         yield key, pos, neg, torch.zeros(batch_size, ch, h // scale, w // scale)
 
 
-def _sample(model, inputs: tuple, steps: int, cfg: float, on_step):
+def _sample(model, inputs: tuple, plan: WarmupPlan, on_step):
     """Sample (positive, negative, latent) with euler/simple: what compiles and captures a shape."""
-    import comfy.sample
-
     pos, neg, latent = inputs
-    comfy.sample.sample(model, comfy.sample.prepare_noise(latent, 0), steps, cfg, "euler", "simple", pos, neg, latent,
+    comfy.sample.sample(model, comfy.sample.prepare_noise(latent, 0), plan.steps, plan.cfg, "euler", "simple", pos, neg, latent,
                         callback=(lambda *a: on_step()) if on_step else None, disable_pbar=True, seed=0)
 
 
-def warmup(model, resolutions: list[tuple], batch_size: int = 1, text_length: int = 256, cfg: float = 1.0,
-           steps: int = 2, positive=None, negative=None, on_step: Callable[[], None] | None = None,
+def warmup(model, plan: WarmupPlan, positive=None, negative=None, on_step: Callable[[], None] | None = None,
            on_compile: Report | None = None):
-    """Sample `steps` steps at each resolution (with its reference-image sizes, if it lists any). Returns (model, {shape
-    description: seconds of its first sampling run}): a clone whose compiled model allows these shapes; the input model
-    (the Compile node's output) keeps its own shapes and policy, also when warming up fails. on_compile(text, seconds):
-    every second while a shape compiles (progress.py)."""
+    """Sample plan.steps steps at each of its resolutions. Returns (model, {shape description: seconds of its first
+    sampling run}): a clone whose compiled model allows these shapes; the input model (the Compile node's output)
+    keeps its own shapes and policy, also when warming up fails. on_step() after every sampling step;
+    on_compile(text, seconds): every second while a shape compiles (progress.py)."""
     dm = require_flux(model, NODE)
     if positive is None:
-        positive = synthetic_conditioning_for(dm, text_length)
+        positive = synthetic_conditioning_for(dm, plan.text_length)
     if negative is None:
         negative = synthetic_conditioning_for(dm, positive[0][0].shape[1], seed=1)
-    shapes = list(_shapes(model, resolutions, batch_size, cfg, positive, negative))
+    shapes = list(_shapes(model, plan, positive, negative))
     model, compiled = with_own_shapes(model)
     seconds = {}
     with compiled.compiling_here() if compiled is not None else contextlib.nullcontext():
         for key, pos, neg, latent in shapes:
-            seconds[key.describe()] = _warm_one(model, compiled, (key, pos, neg, latent), steps, cfg, on_step,
-                                                on_compile)
+            seconds[key.describe()] = _warm_one(model, compiled, (key, pos, neg, latent), plan, (on_step, on_compile))
     return model, seconds
 
 
-def _warm_one(model, compiled, shape: tuple, steps: int, cfg: float, on_step, on_compile) -> float:
-    """Sample one shape ((key, positive, negative, latent): compiling it, in this process); its seconds."""
+def _warm_one(model, compiled, shape: tuple, plan: WarmupPlan, hooks: tuple) -> float:
+    """Sample one shape ((key, positive, negative, latent): compiling it, in this process); its seconds. hooks:
+    (on_step, on_compile) as warmup's."""
+    on_step, on_compile = hooks
     key, pos, neg, latent = shape
     if compiled is not None:
         compiled.register_shape(key)
@@ -131,7 +145,7 @@ def _warm_one(model, compiled, shape: tuple, steps: int, cfg: float, on_step, on
     if compiled is not None and on_compile is not None:
         compiled.on_progress = on_compile
     try:
-        _sample(model, (pos, neg, latent), steps, cfg, on_step)
+        _sample(model, (pos, neg, latent), plan, on_step)
     finally:
         if compiled is not None:
             compiled.on_progress = before

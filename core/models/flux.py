@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from comfy.patcher_extension import CallbacksMP, WrappersMP
 import torch
 
 from ..errors import FluxAccelError
@@ -61,14 +62,10 @@ def require_bf16_weights(modules, node: str) -> None:
 
 
 def on_load_callback_type() -> str:
-    from comfy.patcher_extension import CallbacksMP
-
     return CallbacksMP.ON_LOAD
 
 
 def prepare_sampling_type() -> str:
-    from comfy.patcher_extension import WrappersMP
-
     return WrappersMP.PREPARE_SAMPLING
 
 

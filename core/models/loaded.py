@@ -33,18 +33,8 @@ def compiled_elsewhere(model) -> list[str]:
     return found + [f"ComfyUI per-block CUDA graph on {name}" for name in comfy_internals.core_graph_modules(dm)]
 
 
-def quantized_tensor_class():
-    """ComfyUI's QuantizedTensor (0.33: comfy-kitchen's weight subclass of scaled-FP8 and other mixed-precision
-    checkpoints), or None on hosts without it."""
-    try:
-        from comfy.quant_ops import QuantizedTensor
-    except ImportError:
-        return None
-    return QuantizedTensor if isinstance(QuantizedTensor, type) and issubclass(QuantizedTensor, torch.Tensor) else None
-
-
 def is_checkpoint_quantized(t) -> bool:
-    cls = quantized_tensor_class()
+    cls = comfy_internals.quantized_tensor_class()
     return cls is not None and isinstance(t, cls)
 
 

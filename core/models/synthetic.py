@@ -18,11 +18,18 @@ is one of SHAPES or a FluxParams dict of the same form:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 from pathlib import Path
 
+import comfy.ldm.chroma.model
+import comfy.ldm.flux.model
+import comfy.model_management
+import comfy.model_patcher
+import comfy.supported_models
+from safetensors.torch import save_file
 import torch
 
 from ..upstream import comfy_internals
@@ -67,10 +74,7 @@ SHAPES: dict[str, dict] = {
 def _params_class(image_model: str):
     """ComfyUI's parameter dataclass of an architecture on the running host (Chroma has its own)."""
     if image_model == "chroma":
-        import comfy.ldm.chroma.model
-
         return comfy.ldm.chroma.model.ChromaParams
-    import comfy.ldm.flux.model
 
     return comfy.ldm.flux.model.FluxParams
 
@@ -82,7 +86,6 @@ def unet_config(shape: str | dict) -> dict:
         cfg = dict(shape) if isinstance(shape, dict) else dict(SHAPES[shape])
     except KeyError:
         raise ValueError(f"unknown FLUX shape {shape!r}; choose one of {sorted(SHAPES)}") from None
-    import dataclasses
 
     cfg.setdefault("txt_ids_dims", [])
     fields = {f.name for f in dataclasses.fields(_params_class(cfg["image_model"]))}
@@ -95,8 +98,7 @@ def unet_config(shape: str | dict) -> dict:
 
 def _model_config(cfg: dict):
     """The comfy.supported_models class ComfyUI's detection picks for this unet_config."""
-    import comfy.supported_models as sm
-
+    sm = comfy.supported_models
     if cfg["image_model"] == "chroma":
         return sm.Chroma(cfg)
     if cfg["image_model"] == "flux2":
@@ -108,10 +110,7 @@ def _model_config(cfg: dict):
 
 def _module_class(image_model: str):
     if image_model == "chroma":
-        import comfy.ldm.chroma.model
-
         return comfy.ldm.chroma.model.Chroma
-    import comfy.ldm.flux.model
 
     return comfy.ldm.flux.model.Flux
 
@@ -133,7 +132,6 @@ def init_random_(module: torch.nn.Module, seed: int = 0) -> None:
 def save_atomic(sd: dict, path: Path, metadata: dict | None = None) -> None:
     """safetensors save under a per-process temporary name, then rename: two test sessions may write the same
     (seeded) file at once."""
-    from safetensors.torch import save_file
 
     tmp = Path(path).with_suffix(f".tmp{os.getpid()}")
     save_file(sd, str(tmp), metadata=metadata)
@@ -143,8 +141,6 @@ def save_atomic(sd: dict, path: Path, metadata: dict | None = None) -> None:
 def build_flux(shape: str | dict, dtype=torch.bfloat16, device="cpu", seed: int = 0):
     """A ComfyUI ModelPatcher around a random-weight FLUX built through the comfy.supported_models class ComfyUI's
     detection picks for it (Flux, FluxSchnell, FluxInpaint, Flux2, Chroma)."""
-    import comfy.model_management
-    import comfy.model_patcher
 
     conf = _model_config(unet_config(shape))
     conf.set_inference_dtype(dtype, None)

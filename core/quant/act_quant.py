@@ -23,7 +23,10 @@ first Linear's whole output and write the quantized gated row, which is never wr
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
+from torch.library import triton_op, wrap_triton
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest value
 MAX_ROW = 32768  # the widest row one program holds in registers (FLUX.1's MLPs: 12,288 and 15,360)
@@ -80,6 +83,11 @@ def _kernel(name: str = "gelu_rowwise_fp8_kernel"):
     return getattr(act_quant_kernel, name)
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n (Triton's rule for a block that holds a row)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 WARPS_PER_ELEMENTS = 1024  # one warp per this many elements of a row (4 to 32 warps): see num_warps
 
 
@@ -89,13 +97,11 @@ def num_warps(block: int) -> int:
 
 
 def _gpu(x, gelu_from, lb, ub):
-    import triton
-    from torch.library import wrap_triton
 
     m, n = x.shape
     q = torch.empty((m, n), device=x.device, dtype=torch.float8_e4m3fn)
     s = torch.empty((m, 1), device=x.device, dtype=torch.float32)
-    block = triton.next_power_of_2(n)
+    block = next_power_of_2(n)
     wrap_triton(_kernel())[(m,)](x, q, s, n, x.stride(0), q.stride(0), 0.0 if lb is None else lb,
                                  0.0 if ub is None else ub, GELU_FROM=gelu_from, HAS_LB=lb is not None,
                                  HAS_UB=ub is not None, BLOCK=block, num_warps=num_warps(block))
@@ -103,14 +109,12 @@ def _gpu(x, gelu_from, lb, ub):
 
 
 def _gpu_pair(a, m, lb, ub):
-    import triton
-    from torch.library import wrap_triton
 
     rows, n_a = a.shape
     n_m = m.shape[1]
     q = torch.empty((rows, n_a + n_m), device=a.device, dtype=torch.float8_e4m3fn)
     s = torch.empty((rows, 1), device=a.device, dtype=torch.float32)
-    block_a, block_m = triton.next_power_of_2(n_a), triton.next_power_of_2(n_m)
+    block_a, block_m = next_power_of_2(n_a), next_power_of_2(n_m)
     wrap_triton(_kernel("gelu_pair_rowwise_fp8_kernel"))[(rows,)](
         a, m, q, s, n_a, n_m, a.stride(0), m.stride(0), q.stride(0), 0.0 if lb is None else lb,
         0.0 if ub is None else ub, HAS_LB=lb is not None, HAS_UB=ub is not None, BLOCK_A=block_a, BLOCK_M=block_m,
@@ -119,15 +123,13 @@ def _gpu_pair(a, m, lb, ub):
 
 
 def _gpu_silu(x, gate_from, lb, ub):
-    import triton
-    from torch.library import wrap_triton
 
     m, n_in = x.shape
     half = (n_in - gate_from) // 2
     n = gate_from + half
     q = torch.empty((m, n), device=x.device, dtype=torch.float8_e4m3fn)
     s = torch.empty((m, 1), device=x.device, dtype=torch.float32)
-    block = triton.next_power_of_2(n)
+    block = next_power_of_2(n)
     wrap_triton(_kernel("silu_gate_rowwise_fp8_kernel"))[(m,)](
         x, q, s, n, half, x.stride(0), q.stride(0), 0.0 if lb is None else lb, 0.0 if ub is None else ub,
         GATE_FROM=gate_from, HAS_LB=lb is not None, HAS_UB=ub is not None, BLOCK=block, num_warps=num_warps(block))
@@ -135,14 +137,12 @@ def _gpu_silu(x, gate_from, lb, ub):
 
 
 def _gpu_silu_pair(a, m, lb, ub):
-    import triton
-    from torch.library import wrap_triton
 
     rows, n_a = a.shape
     half = m.shape[1] // 2
     q = torch.empty((rows, n_a + half), device=a.device, dtype=torch.float8_e4m3fn)
     s = torch.empty((rows, 1), device=a.device, dtype=torch.float32)
-    block_a, block_h = triton.next_power_of_2(n_a), triton.next_power_of_2(half)
+    block_a, block_h = next_power_of_2(n_a), next_power_of_2(half)
     wrap_triton(_kernel("silu_gate_pair_rowwise_fp8_kernel"))[(rows,)](
         a, m, q, s, n_a, half, a.stride(0), m.stride(0), q.stride(0), 0.0 if lb is None else lb,
         0.0 if ub is None else ub, HAS_LB=lb is not None, HAS_UB=ub is not None, BLOCK_A=block_a, BLOCK_H=block_h,
@@ -166,7 +166,6 @@ def _pair_body(a: torch.Tensor, m: torch.Tensor, lb: float | None,
 def _register(name: str, body):
     """The operator `name`, registered when this module is imported (a warm-start package made by another process
     calls it by name); None, with the reason, where this torch cannot register it."""
-    import importlib.util
 
     if importlib.util.find_spec("triton") is None:
         return None, "Triton is not installed (the fused kernel is a Triton kernel)"
@@ -175,8 +174,6 @@ def _register(name: str, body):
     if registered is not None:  # this module imported again under another package name: the same operator
         return registered, ""
     try:
-        from torch.library import triton_op
-
         return triton_op(name, mutates_args=())(body), ""
     except Exception as e:  # noqa: BLE001 -- an older or newer torch: fusion is then off, and the report says why
         return None, f"torch {torch.__version__} could not register the {name} operator ({type(e).__name__}: {e})"

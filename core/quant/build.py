@@ -8,6 +8,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import comfy.model_management as mm
 import torch
 
 from ..cache import fp8_weights
@@ -76,7 +77,6 @@ def fp8_home(model, device: torch.device, fp8_bytes: int, report: Fp8Report) -> 
     load ComfyUI's memory checks count them as used memory of the device (not as a model it can unload), and its
     first unload moves them to the host like any loaded weights. Else where ComfyUI keeps unloaded weights (host
     RAM)."""
-    import comfy.model_management as mm
 
     offload = torch.device(model.offload_device)
     if device.type == "cpu" or device == offload:

@@ -159,28 +159,30 @@ def float8_ops():
     return _AO
 
 
-def fp8_linear(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-               act_kwargs, mm_config) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, lin: torch.nn.Module) -> torch.Tensor:
     """torchao's Float8Tensor linear on plain tensors: the functions its torch-kernel path calls, in its order.
 
-    x: activations (..., K) in the compute dtype; w_data: FP8 weight data (N, K); w_scale: its scales, (N, 1)
-    per-row or (1, 1) per-tensor; act_kwargs: the weight's QuantizeTensorToFloat8Kwargs (how torchao quantizes
-    activations); mm_config: the weight's Float8MMConfig. Bit-identical to F.linear(x, Float8Tensor weight) in
-    eager mode (tests/core/quant/test_fp8.py); torchao's optional MSLK kernels (not installed here) are not used.
+    x: activations (..., K) in the compute dtype; lin: an FP8 Linear (linear.py) -- weight: FP8 data (N, K);
+    fp8_weight_scale: its scales, (N, 1) per-row or (1, 1) per-tensor; fp8_act_kwargs: the weight's
+    QuantizeTensorToFloat8Kwargs (how torchao quantizes activations); fp8_mm_config: its Float8MMConfig.
+    Bit-identical to F.linear(x, Float8Tensor weight) in eager mode (tests/core/quant/test_fp8.py); torchao's
+    optional MSLK kernels (not installed here) are not used.
     """
-    ao = _AO or float8_ops()
+    ao, act_kwargs = _AO or float8_ops(), lin.fp8_act_kwargs
     block = list(ao.get_block_size(x.shape, act_kwargs.granularity))
     x_scale = ao.choose_scale(x, float8_dtype=act_kwargs.float8_dtype, block_size=block,
                               hp_value_lb=act_kwargs.hp_value_lb, hp_value_ub=act_kwargs.hp_value_ub)
     x_data = ao.quantize(x, x_scale, act_kwargs.float8_dtype)
-    return _scaled_gemm(ao, x_data.reshape(-1, x_data.shape[-1]), ao.preprocess_scale(x_scale, x.shape), w_data,
-                        w_scale, bias, mm_config, x)
+    return _scaled_gemm(ao, x_data.reshape(-1, x_data.shape[-1]), ao.preprocess_scale(x_scale, x.shape), lin, x)
 
 
-def _scaled_gemm(ao, x_data, x_scale, w_data, w_scale, bias, mm_config, x):
-    """torchao's scaled GEMM of quantized rows x_data (M, K) with their scales (M, 1) or (1, 1), shaped as x."""
+def _scaled_gemm(ao, x_data, x_scale, lin, x):
+    """torchao's scaled GEMM of quantized rows x_data (M, K) with their scales (M, 1) or (1, 1) by lin's FP8 weight,
+    shaped as x."""
+    w_data, mm_config = lin.weight, lin.fp8_mm_config
     a, b = ao.preprocess_data(x_data, w_data.t(), mm_config)
-    out = ao.addmm(a, x_scale, b, w_scale.t(), output_dtype=x.dtype, bias=bias, use_fast_accum=mm_config.use_fast_accum)
+    out = ao.addmm(a, x_scale, b, lin.fp8_weight_scale.t(), output_dtype=x.dtype, bias=lin.bias,
+                   use_fast_accum=mm_config.use_fast_accum)
     return out.reshape(*x.shape[:-1], w_data.shape[0])
 
 
@@ -189,20 +191,18 @@ _FUSED_QUANT = {"gelu": (act_quant.gelu_rowwise_fp8, act_quant.gelu_pair_rowwise
                 "silu_gate": (act_quant.silu_gate_rowwise_fp8, act_quant.silu_gate_pair_rowwise_fp8)}
 
 
-def fp8_linear_act(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                   act_kwargs, mm_config, act: str, act_from: int) -> torch.Tensor:
-    """fp8_linear of x with the activation `act` (GELU(tanh), or FLUX.2's SiLU gate) applied to its columns from
-    `act_from` on, the activation and the row-wise activation quantization done in one pass (act_quant.py); per-row
-    activation scales only."""
-    ao = _AO or float8_ops()
-    x_data, x_scale = _FUSED_QUANT[act][0](x, act_from, act_kwargs.hp_value_lb, act_kwargs.hp_value_ub)
-    return _scaled_gemm(ao, x_data, x_scale, w_data, w_scale, bias, mm_config, x)
+def fp8_linear_act(x: torch.Tensor, lin: torch.nn.Module) -> torch.Tensor:
+    """fp8_linear of x with lin's fused activation (GELU(tanh), or FLUX.2's SiLU gate: lin.fused_act) applied to its
+    columns from lin.act_from on, the activation and the row-wise activation quantization done in one pass
+    (act_quant.py); per-row activation scales only."""
+    ao, act_kwargs = _AO or float8_ops(), lin.fp8_act_kwargs
+    x_data, x_scale = _FUSED_QUANT[lin.fused_act][0](x, lin.act_from, act_kwargs.hp_value_lb, act_kwargs.hp_value_ub)
+    return _scaled_gemm(ao, x_data, x_scale, lin, x)
 
 
-def fp8_linear_act_pair(a: torch.Tensor, m: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
-                        bias: torch.Tensor | None, act_kwargs, mm_config, act: str) -> torch.Tensor:
+def fp8_linear_act_pair(a: torch.Tensor, m: torch.Tensor, lin: torch.nn.Module) -> torch.Tensor:
     """fp8_linear_act of torch.cat((a, m), -1) with the activation from a's end on, the row read from a and m where
     they are (the concatenation is never written); per-row activation scales only."""
-    ao = _AO or float8_ops()
-    x_data, x_scale = _FUSED_QUANT[act][1](a, m, act_kwargs.hp_value_lb, act_kwargs.hp_value_ub)
-    return _scaled_gemm(ao, x_data, x_scale, w_data, w_scale, bias, mm_config, a)
+    ao, act_kwargs = _AO or float8_ops(), lin.fp8_act_kwargs
+    x_data, x_scale = _FUSED_QUANT[lin.fused_act][1](a, m, act_kwargs.hp_value_lb, act_kwargs.hp_value_ub)
+    return _scaled_gemm(ao, x_data, x_scale, lin, a)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import comfy.ops
 import torch
 
 from ..env import require_torchao
@@ -63,9 +64,8 @@ class _Fp8Linear:
         if self.weight_function or self.bias_function:
             self.convert_weight(self.weight)  # a lowvram/LoRA weight function reached an FP8 Linear: refuse
         if self.fused_act is not None:
-            return fp8_linear_act(x, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs,
-                                  self.fp8_mm_config, self.fused_act, self.act_from)
-        return fp8_linear(x, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs, self.fp8_mm_config)
+            return fp8_linear_act(x, self)
+        return fp8_linear(x, self)
 
     def fp8_forward_pair(self, a, m):
         """forward(torch.cat((a, m), -1)) for a Linear whose fused activation starts at a's end (act_from), without
@@ -76,8 +76,7 @@ class _Fp8Linear:
                                  f"not at the first input's end ({a.shape[-1]})")
         if self.weight_function or self.bias_function:
             self.convert_weight(self.weight)  # a lowvram/LoRA weight function reached an FP8 Linear: refuse
-        return fp8_linear_act_pair(a, m, self.weight, self.fp8_weight_scale, self.bias, self.fp8_act_kwargs,
-                                   self.fp8_mm_config, self.fused_act)
+        return fp8_linear_act_pair(a, m, self)
 
 
 def takes_pair(m: torch.nn.Module, first: int) -> bool:
@@ -190,7 +189,6 @@ def comfy_linear(mod, params: dict[str, torch.Tensor], device: torch.device, cas
     """A plain ComfyUI Linear (the class a bf16 checkpoint loads; with cast, the manual-cast one that casts its weight
     to the activation dtype per call) with params' weight and bias, standing in for `mod` (a Linear of ComfyUI's
     mixed-precision ops): made with its class's own constructor on the meta device, then given the tensors."""
-    import comfy.ops
 
     cls = (comfy.ops.manual_cast if cast else comfy.ops.disable_weight_init).Linear
     empty = cls(mod.in_features, mod.out_features, bias="bias" in params, device="meta")

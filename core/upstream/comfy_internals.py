@@ -11,7 +11,11 @@ and CUDA graphs never enter core's memory plan; other models and branches keep t
 from __future__ import annotations
 
 import contextlib
+import importlib
+import os
+import sys
 import threading
+from pathlib import Path
 
 import torch
 
@@ -20,11 +24,17 @@ from . import Unavailable, say
 UPSTREAM = "ComfyUI"
 
 
+def module(name: str):
+    """ComfyUI's module `name`, imported when first asked (ImportError where this ComfyUI has none). Every ComfyUI
+    module FluxAccel reads is reached through here, when used: the separate compile sets ComfyUI's launch flags
+    before ComfyUI's modules read them on import, and tools/clear_cache.py runs without ComfyUI."""
+    found = sys.modules.get(name)  # (dynamo traces this lookup, not importlib: rope.py's calls run inside a trace)
+    return found if found is not None else importlib.import_module(name)
+
+
 def comfyui_version() -> str:
     try:
-        import comfyui_version as cv
-
-        return str(cv.__version__)
+        return str(module("comfyui_version").__version__)
     except (ImportError, AttributeError):
         return "(version unknown)"
 
@@ -36,10 +46,9 @@ def _missing(name: str, detail: str = "") -> Unavailable:
 def _prefetch():
     """comfy.model_prefetch, or None on a ComfyUI without it (no per-block graphs, no model compiler)."""
     try:
-        import comfy.model_prefetch as prefetch
+        return module("comfy.model_prefetch")
     except ImportError:
         return None
-    return prefetch
 
 
 # -- core's per-block CUDA graphs ---------------------------------------------------------------------------------
@@ -106,9 +115,7 @@ def outside_model_compiler():
 
 # -- FLUX's RoPE and checkpoint-quantized weights -------------------------------------------------------------------
 def flux_math():
-    import comfy.ldm.flux.math as fm
-
-    return fm
+    return module("comfy.ldm.flux.math")
 
 
 def flux_plain_rope1():
@@ -137,6 +144,16 @@ def flux_apply_rope_as(fn):
         fm.apply_rope = orig
 
 
+def quantized_tensor_class():
+    """ComfyUI's QuantizedTensor (0.33: comfy-kitchen's weight subclass of scaled-FP8 and other mixed-precision
+    checkpoints), or None on hosts without it."""
+    try:
+        cls = module("comfy.quant_ops").QuantizedTensor
+    except (ImportError, AttributeError):
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, torch.Tensor) else None
+
+
 def checkpoint_qdata(w) -> torch.Tensor | Unavailable:
     """The stored data of a ComfyUI QuantizedTensor weight (comfy-kitchen's keeps it in `_qdata`)."""
     q = getattr(w, "_qdata", None)
@@ -161,27 +178,23 @@ def swap_in_wrapper(modules: dict):
     """An APPLY_MODEL wrapper that sets BaseModel attributes (e.g. diffusion_model) to `modules` for one call and
     restores them in `finally`: ComfyUI's own apply_torch_compile_factory, or the same few lines where it is missing."""
     try:
-        from comfy_api.torch_helpers.torch_compile import apply_torch_compile_factory
-
-        return apply_torch_compile_factory(modules)
-    except ImportError as e:
-        from . import say
-
+        return module("comfy_api.torch_helpers.torch_compile").apply_torch_compile_factory(modules)
+    except (ImportError, AttributeError) as e:
         say(_missing("comfy_api.torch_helpers.torch_compile.apply_torch_compile_factory", str(e)),
             "FluxAccel swaps the compiled model in with its own copy of that wrapper")
 
-    def apply_swapped(executor, *args, **kwargs):
-        import comfy.utils
+    utils = module("comfy.utils")
 
+    def apply_swapped(executor, *args, **kwargs):
         base, originals = executor.class_obj, {}
         try:
             for key, value in modules.items():
-                originals[key] = comfy.utils.get_attr(base, key)
-                comfy.utils.set_attr(base, key, value)
+                originals[key] = utils.get_attr(base, key)
+                utils.set_attr(base, key, value)
             return executor(*args, **kwargs)
         finally:
             for key, value in originals.items():
-                comfy.utils.set_attr(base, key, value)
+                utils.set_attr(base, key, value)
 
     return apply_swapped
 
@@ -227,9 +240,7 @@ def keep_delegate(model, base) -> bool | Unavailable:
 def unload_model_and_clones(model) -> bool | Unavailable:
     """ComfyUI's unload of one model and its clones (comfy.model_management.unload_model_and_clones, 0.33): their
     weights go back to where the file put them."""
-    import comfy.model_management as mm
-
-    fn = getattr(mm, "unload_model_and_clones", None)
+    fn = getattr(module("comfy.model_management"), "unload_model_and_clones", None)
     if not callable(fn):
         return _missing("comfy.model_management.unload_model_and_clones")
     fn(model)
@@ -245,9 +256,6 @@ def _patcher_init(model):
 def source_file(model):
     """The weights file ComfyUI's loader read this model from (the path its cached_patcher_init reloads: UNETLoader's
     load_diffusion_model, CheckpointLoaderSimple's load_checkpoint_guess_config), None where none is registered."""
-    import os
-    from pathlib import Path
-
     init = _patcher_init(model)
     if isinstance(init, Unavailable):
         return init
@@ -271,9 +279,7 @@ def eager_init_ops():
     """ComfyUI's disable_weight_init op classes with every weight allocated at construction. Under comfy-aimdo (0.33,
     dynamic VRAM) its Linear and Embedding defer their weights to the state-dict load unless a subclass brings its own
     loader (`_load_from_state_dict`), so a model built to read its parameter shapes would have none."""
-    import comfy.ops
-
-    base = comfy.ops.disable_weight_init
+    base = module("comfy.ops").disable_weight_init
 
     class Linear(base.Linear):
         _load_from_state_dict = torch.nn.Linear._load_from_state_dict
@@ -288,9 +294,7 @@ def eager_init_ops():
 def launch_args() -> dict | Unavailable:
     """ComfyUI's launch flags as this process parsed them (comfy.cli_args.args), for a process FluxAccel starts."""
     try:
-        import comfy.cli_args as cli
-
-        return dict(vars(cli.args))
+        return dict(vars(module("comfy.cli_args").args))
     except (ImportError, AttributeError, TypeError):
         return _missing("comfy.cli_args.args")
 
@@ -298,9 +302,7 @@ def launch_args() -> dict | Unavailable:
 def set_launch_args(values: dict) -> bool | Unavailable:
     """Give this process ComfyUI's launch flags of another (before ComfyUI's modules read them)."""
     try:
-        import comfy.cli_args as cli
-
-        vars(cli.args).update(values)
+        vars(module("comfy.cli_args").args).update(values)
         return True
     except (ImportError, AttributeError, TypeError):
         return _missing("comfy.cli_args.args")

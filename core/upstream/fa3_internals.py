@@ -6,6 +6,8 @@ autograd Function, which inference does not need and which would add a layer to 
 """
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
+
 import torch
 
 from . import Unavailable
@@ -15,8 +17,6 @@ NAMESPACE, OP = "fa3_fwd", "_flash_attn_forward"
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version(UPSTREAM)
     except PackageNotFoundError:
@@ -36,7 +36,9 @@ def available() -> bool | Unavailable:
     return True
 
 
-def fp8_forward(q8, k8, v8, q_descale, k_descale, v_descale, softmax_scale: float) -> torch.Tensor:
-    """Attention of FP8 (batch, tokens, heads, dim) Q, K, V with (batch, heads) descales; bf16 out, same layout."""
+def fp8_forward(qkv: tuple, descales: tuple, softmax_scale: float) -> torch.Tensor:
+    """Attention of FP8 (batch, tokens, heads, dim) Q, K, V (qkv) with their (batch, heads) descales (the same order);
+    bf16 out, same layout."""
     op = getattr(getattr(torch.ops, NAMESPACE), OP)
+    (q8, k8, v8), (q_descale, k_descale, v_descale) = qkv, descales
     return op(q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, softmax_scale=softmax_scale)[0]

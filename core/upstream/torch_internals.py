@@ -8,6 +8,8 @@ load_cache_artifacts when the per-compile artifact recording is gone).
 from __future__ import annotations
 
 import contextlib
+import importlib
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -23,8 +25,6 @@ def _missing(name: str, detail: str = "") -> Unavailable:
 
 def _attr(path: str):
     """The object at a dotted path below torch (imported as needed), or an Unavailable naming it."""
-    import importlib
-    from types import ModuleType
 
     parts = path.split(".")
     obj = importlib.import_module(parts[0])

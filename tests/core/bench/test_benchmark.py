@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from fluxaccel.core.bench.benchmark import BenchCase, benchmark
+from fluxaccel.core.bench.benchmark import BenchCase, Hooks, benchmark
 from fluxaccel.core.compile.config import CompileConfig
 from fluxaccel.core.compile.patch import apply_compile
 from support.models import synthetic_conditioning
@@ -19,7 +19,7 @@ def test_accelerated_first_run_precedes_the_baseline(tiny_flux):
     pos = synthetic_conditioning("tiny", text_len=16)
     said = []
     case = BenchCase(width=128, height=128, steps=1, runs=2)
-    rows = benchmark([("eager", tiny_flux), ("compiled", accel)], case, pos, pos, on_progress=said.append)
+    rows = benchmark([("eager", tiny_flux), ("compiled", accel)], case, pos, pos, Hooks(on_progress=said.append))
     firsts = [m.split(":")[0] for m in said if "first run" in m]
     assert firsts == ["compiled", "eager"]
     timed = [m for m in said if "timed run" in m]

@@ -110,8 +110,9 @@ def test_a_call_that_differs_never_runs_the_package(monkeypatch):
     p = Packages(_Store(package), {})
 
     def get(call):
-        return p.get(KEY, None, (call["x"], call["t"]), {"context": call["context"], "y": call["y"],
-                                                        "transformer_options": call["options"]}, contextlib.nullcontext)
+        return p.get(KEY, warm_start.Call(None, (call["x"], call["t"]), {"context": call["context"], "y": call["y"],
+                                                                         "transformer_options": call["options"]}),
+                     contextlib.nullcontext)
 
     assert get(_call()) is package and p.outcome[KEY] == "loaded"
     strided = _call(x=torch.zeros(1, 16, 16, 16, dtype=torch.bfloat16).transpose(-1, -2))

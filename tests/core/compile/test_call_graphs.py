@@ -243,7 +243,7 @@ def test_through_apply_compile_and_warmup(tiny_flux, fresh_dynamo):
     from fluxaccel.core.bench.metrics import rel_err
     from fluxaccel.core.compile.config import CompileConfig
     from fluxaccel.core.compile.patch import apply_compile
-    from fluxaccel.core.compile.warmup import warmup
+    from fluxaccel.core.compile.warmup import WarmupPlan, warmup
     from fluxaccel.core.patches import describe, label
     from fluxaccel.nodes.events import compiled_state
     from support.models import synthetic_conditioning
@@ -257,7 +257,7 @@ def test_through_apply_compile_and_warmup(tiny_flux, fresh_dynamo):
     assert state["graphs_off"] in state["text"] and "captured into a CUDA graph" not in state["text"]
     assert rel_err(denoise_once(clone, hw=16), ref) < 2e-2
     assert fresh_dynamo["stats"]["unique_graphs"] == 2
-    model, secs = warmup(clone, [(128, 128)], text_length=16, steps=2)
+    model, secs = warmup(clone, WarmupPlan([(128, 128)], text_length=16, steps=2))
     assert fresh_dynamo["stats"]["unique_graphs"] == 2 and len(secs) == 1  # the blocks were compiled at this shape
     pos = synthetic_conditioning("tiny", text_len=16, seed=42)
     latent = torch.zeros(1, 16, 16, 16)

@@ -24,6 +24,7 @@ from fluxaccel.core.compile.patch import apply_compile
 from fluxaccel.core.errors import FluxAccelError
 from fluxaccel.core.models import swaps
 from fluxaccel.core.quant.fp8 import Fp8Config
+from fluxaccel.core.compile.runner import ModelCall
 from fluxaccel.core.quant.patch import apply_fp8
 from support.models import build_flux
 from support.runs import clear_compile_counters, compiled_graphs
@@ -59,6 +60,8 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 from tools.plugin import register
 register()
+from tools import host
+host.import_comfy()  # FluxAccel's compile modules read ComfyUI's
 from fluxaccel.core.compile import mod_table
 from fluxaccel.core.compile.mod_table_kernel import modulation_rows_kernel
 g = torch.Generator().manual_seed(1)
@@ -259,8 +262,9 @@ def test_weights_patched_at_every_call_run_as_comfyuis_linear_and_are_not_looked
     vec = torch.randn(1, 256)
     m.lin.weight_function = [lambda w: w * 2]
     try:
-        assert not table.prepare(dm, torch.zeros(1, 16, 16, 16), torch.tensor([0.5]), {"y": torch.zeros(1, 64)},
-                                 {"sample_sigmas": torch.tensor([1.0, 0.5, 0.0])})
+        call = ModelCall(torch.zeros(1, 16, 16, 16), torch.tensor([0.5]), None,
+                         {"sample_sigmas": torch.tensor([1.0, 0.5, 0.0])}, {"y": torch.zeros(1, 64)})
+        assert not table.prepare(dm, call)
         assert table.counts()["patched_per_call"] and "the modulation table is not used while it does" in caplog.text
         table.rows[0] = 0  # even with a row set, the patched Linear runs
         out = m(vec)[0].shift

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fluxaccel.core.compile import runner as runner_mod
-from fluxaccel.core.compile.runner import Runner
+from fluxaccel.core.compile.runner import ModelCall, Runner
 from fluxaccel.core.compile.shapes import ShapeKey
 from fluxaccel.core.errors import FluxAccelError
 
@@ -47,14 +47,14 @@ def _breaks(x, t):
 def test_compiled_call_equals_eager_and_tells_the_table_its_shape():
     x, t = torch.randn(3, 4), torch.tensor(0.5)
     table = Table()
-    out = Runner(Compiled(_twice), table)(KEY, x, t, None, {}, {}, loading=contextlib.nullcontext)
+    out = Runner(Compiled(_twice), table)(KEY, ModelCall(x, t, None, {}, {}), loading=contextlib.nullcontext)
     assert torch.equal(out, _twice(x, t)) and table.shape == KEY and table.loading is contextlib.nullcontext
 
 
 def test_a_graph_break_is_an_error_naming_where_and_the_versions():
     with pytest.raises(FluxAccelError, match=r"each kind of FLUX block as one graph, and torch.compile cannot trace it "
                                              r"in one piece: .*test_runner\.py:\d+ in _breaks.*ComfyUI .*torch "):
-        Runner(Compiled(_breaks), Table())(KEY, torch.ones(2), torch.zeros(1), None, {}, {})
+        Runner(Compiled(_breaks), Table())(KEY, ModelCall(torch.ones(2), torch.zeros(1), None, {}, {}))
 
 
 def test_graph_break_type_missing_lets_torchs_own_error_through(monkeypatch):
@@ -62,7 +62,7 @@ def test_graph_break_type_missing_lets_torchs_own_error_through(monkeypatch):
 
     monkeypatch.setattr(runner_mod.torch_internals, "graph_break_error", lambda: Unavailable("torch", "x", "Unsupported"))
     with pytest.raises(Exception) as e:
-        Runner(Compiled(_breaks), Table())(KEY, torch.ones(2), torch.zeros(1), None, {}, {})
+        Runner(Compiled(_breaks), Table())(KEY, ModelCall(torch.ones(2), torch.zeros(1), None, {}, {}))
     assert not isinstance(e.value, FluxAccelError)
 
 
@@ -89,7 +89,7 @@ def test_the_call_lowers_under_fluxaccels_reduction_limits(tmp_path, monkeypatch
         return after[0] - before[0], after[1] - before[1]
 
     torch._dynamo.reset()
-    Runner(Compiled(_norm, opts), Table())(KEY, x, t, None, {}, {})
+    Runner(Compiled(_norm, opts), Table())(KEY, ModelCall(x, t, None, {}, {}))
     with reductions.persistent():
         assert compile_plain() == (1, 0)
     assert compile_plain() == (0, 1)

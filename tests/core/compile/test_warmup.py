@@ -8,7 +8,7 @@ from fluxaccel.core.compile.shapes import ShapeKey
 from fluxaccel.core.compile.patch import apply_compile, compiled_of
 from fluxaccel.core.errors import FluxAccelError
 from support.models import synthetic_conditioning
-from fluxaccel.core.compile.warmup import parse_resolutions, warmup
+from fluxaccel.core.compile.warmup import WarmupPlan, parse_resolutions, warmup
 from fluxaccel.core.models import swaps
 from support.runs import clear_compile_counters, compiled_graphs
 
@@ -29,7 +29,7 @@ def test_warmup_then_real_runs_compile_nothing(tiny_flux):
     torch._dynamo.reset()
     upstream, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict", separate_process=False))
     ticks = []
-    model, secs = warmup(upstream, [(128, 128), (128, 192)], text_length=16, cfg=1.0, steps=2,
+    model, secs = warmup(upstream, WarmupPlan([(128, 128), (128, 192)], text_length=16, cfg=1.0, steps=2),
                          on_step=lambda: ticks.append(1))
     assert len(ticks) == 4 and len(secs) == 2 and all(s > 0 for s in secs.values())
     assert compiled_of(model).stats.shapes == [ShapeKey(1, 16, 16, 16, "bfloat16"), ShapeKey(1, 24, 16, 16, "bfloat16")]
@@ -53,7 +53,7 @@ def test_warmup_then_real_runs_compile_nothing(tiny_flux):
 def test_warmup_respects_max_shapes_and_a_failed_one_leaves_the_input_as_it_was(tiny_flux):
     model, compiled = apply_compile(tiny_flux, CompileConfig(max_shapes=1, separate_process=False))
     with pytest.raises(FluxAccelError, match="more shapes than the Compile node's max_shapes \\(1\\)"):
-        warmup(model, [(128, 128), (192, 128)], text_length=16, steps=1)
+        warmup(model, WarmupPlan([(128, 128), (192, 128)], text_length=16, steps=1))
     assert compiled.stats.shapes == [] and compiled.stats.calls == 0
 
 
@@ -65,7 +65,7 @@ def test_a_sibling_branch_of_the_compile_output_keeps_its_strict_policy(tiny_flu
     clear_compile_counters()
     torch._dynamo.reset()
     upstream, compiled = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict", separate_process=False))
-    warmup(upstream, [(128, 128), (128, 192)], text_length=16, steps=1)
+    warmup(upstream, WarmupPlan([(128, 128), (128, 192)], text_length=16, steps=1))
     graphs = compiled_graphs()
     pos = synthetic_conditioning("tiny", text_len=16, seed=42)
     latent = torch.zeros(1, 16, 16, 16)
@@ -92,7 +92,7 @@ def test_reference_sizes_are_warmed_refused_under_strict_and_counted_under_recom
     clear_compile_counters()
     torch._dynamo.reset()
     upstream, _ = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict", separate_process=False))
-    model, _ = warmup(upstream, [(128, 128, ((128, 128),))], text_length=16, steps=1)
+    model, _ = warmup(upstream, WarmupPlan([(128, 128, ((128, 128),))], text_length=16, steps=1))
     key = compiled_of(model).stats.shapes[0]
     assert key.refs == ((16, 16),) and "reference latents 128x128 px" in key.describe()
     graphs = compiled_graphs()

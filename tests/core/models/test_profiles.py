@@ -90,7 +90,7 @@ def test_quantize_compile_warmup_benchmark_chain(cpu_fp8, case, monkeypatch):
     record class first met inside the trace would compile the blocks once more)."""
     from fluxaccel.core.bench.benchmark import BenchCase, benchmark
     from fluxaccel.core.compile import blocks
-    from fluxaccel.core.compile.warmup import warmup
+    from fluxaccel.core.compile.warmup import WarmupPlan, warmup
     from fluxaccel.core.models.flux import latent_scale
     from fluxaccel.core.models.synthetic import synthetic_conditioning_for
     from support.runs import clear_compile_counters, compiled_graphs
@@ -105,7 +105,7 @@ def test_quantize_compile_warmup_benchmark_chain(cpu_fp8, case, monkeypatch):
     q, _ = apply_fp8(model, Fp8Config("per_row"))
     compiled_model, _ = apply_compile(q, CompileConfig(separate_process=False))
     pixel_refs = tuple((w * scale, h * scale) for h, w in refs)
-    warmed, secs = warmup(compiled_model, [(px, px, pixel_refs) if refs else (px, px)], text_length=16, steps=1)
+    warmed, secs = warmup(compiled_model, WarmupPlan([(px, px, pixel_refs) if refs else (px, px)], text_length=16, steps=1))
     key = compiled_of(warmed).stats.shapes[0]
     assert key.refs == tuple(refs) and key.height == px // scale and len(secs) == 1
     graphs = compiled_graphs()

@@ -35,7 +35,7 @@ from fluxaccel.core.errors import FluxAccelError
 from fluxaccel.core.quant.fp8 import Fp8Config
 from fluxaccel.core.quant.patch import apply_fp8
 from support.models import build_flux, synthetic_conditioning
-from fluxaccel.core.compile.warmup import warmup
+from fluxaccel.core.compile.warmup import WarmupPlan, warmup
 from fluxaccel.core.upstream import comfy_internals
 
 lift_torchao_gate()
@@ -55,7 +55,7 @@ with torch.inference_mode():
     rec = Recording()
     prefetch.MALLOC_GRAPHS[threading.get_ident()] = rec
     out["recording_seen"] = comfy_internals.model_compiler_recording()
-    warmed, secs = warmup(model, [(128, 128)], text_length=16, cfg=1.0, steps=1)
+    warmed, secs = warmup(model, WarmupPlan([(128, 128)], text_length=16, cfg=1.0, steps=1))
     pos = synthetic_conditioning("tiny", text_len=16)
     rows = benchmark([("eager", m), ("fp8+compile", warmed)], BenchCase(width=128, height=128, steps=1, runs=1),
                      pos, pos)
