@@ -22,9 +22,9 @@ class Compile(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="A FLUX.1, FLUX.2 or Chroma model, optionally FP8-quantized by FluxAccel."),
                 io.Combo.Input("resolution_policy", options=list(POLICIES), default=_D["resolution_policy"][0],
-                               tooltip="strict: another batch, resolution or prompt length is an error. recompile: "
-                                       "each new shape is compiled, up to max_shapes. eager_fallback: other shapes run "
-                                       "uncompiled, counted."),
+                               tooltip="recompile: each new size or prompt length compiles (beside the running "
+                                       "model), up to max_shapes; more run uncompiled. strict: another shape is an "
+                                       "error. eager_fallback: only the first compiles."),
                 io.Int.Input("max_shapes", default=_D["max_shapes"][0], min=1, max=64, optional=True,
                              advanced=_D["max_shapes"][1],
                              tooltip="How many shapes this model may compile (recompile policy, Warmup)."),

@@ -74,9 +74,9 @@ def core_prompt(unet_name: str) -> dict:
         "5": _node("TorchCompileModel", "core fp8_e4m3fn_fast + TorchCompileModel", model=["4", 0], backend="inductor"),
         "6": _node("FluxAccelQuantizeFP8", "Quantize FP8 (defaults)", model=["1", 0], granularity="per_row",
                    scope="blocks"),
-        "7": _node("FluxAccelCompile", "Compile (defaults)", model=["6", 0], resolution_policy="strict"),
+        "7": _node("FluxAccelCompile", "Compile (defaults)", model=["6", 0], resolution_policy="recompile"),
         # FP8 attention (FlashAttention-3's FP8 kernel; the fa3-fwd wheel, Hopper GPUs only)
-        "8": _node("FluxAccelCompile", "Compile (attention fp8)", model=["6", 0], resolution_policy="strict",
+        "8": _node("FluxAccelCompile", "Compile (attention fp8)", model=["6", 0], resolution_policy="recompile",
                    attention="fp8"),
     }
     rows = [("3", "core TorchCompileModel", "core-torchcompile"),

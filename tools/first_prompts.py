@@ -37,7 +37,7 @@ log = logging.getLogger("fluxaccel.first_prompts")
 
 # FluxAccel's default nodes; each configuration below changes some of their inputs (None: the node left out)
 FP8 = {"granularity": "per_row", "scope": "blocks"}
-COMPILE = {"resolution_policy": "strict"}
+COMPILE = {"resolution_policy": "recompile"}
 
 
 def fluxaccel(fp8: dict | None = None, **compile_inputs) -> list:
@@ -222,6 +222,9 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
                              # configuration's: how far this configuration's image is from it
                              "second_latent_rel_err_vs_first_config": latent_rel_err(latents, config, a.configs[0])})
                 write(complete=False)
+        except BaseException:
+            write(complete=False)  # a run cut short keeps what it measured, and the server's log says why
+            raise
         finally:
             server.stop()
         write(complete=True)

@@ -322,6 +322,9 @@ class Packages:
             why = f"warm-start packages load at the first model call: inductor's {differs} differ from this process's"
             log.info("FluxAccel: %s", why)
             return why
+        # the modules a load and the sampler's compiling call both import, imported here first: Python's import of
+        # one package from two threads at once can fail (KeyError in importlib)
+        torch_internals.import_inductor()
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fluxaccel-warm-start")
         device = torch.device(device)
 

@@ -11,6 +11,7 @@ This file knows the compiled call; patch.py puts it into a ComfyUI ModelPatcher.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import copy
 import logging
 from dataclasses import dataclass
@@ -23,10 +24,11 @@ from .call_graphs import CallGraphs
 from .config import CompileConfig
 from .options import attention_override, refuse_unsupported
 from .runner import ModelCall, Runner
+from .wrappers import outer, run_around
 from .shapes import ShapeKey, ShapePolicy, shape_key, without_references
 from .stats import CompileStats
 from .telemetry import Telemetry
-from ..upstream import torch_internals
+from ..upstream import comfy_internals, torch_internals
 
 log = logging.getLogger("fluxaccel.compile")
 
@@ -118,19 +120,31 @@ class CompiledFlux(torch.nn.Module):
             self.stats.shapes.append(key)
 
     def forward(self, x, timestep, context=None, control=None, transformer_options={}, **kwargs):
-        refuse_unsupported(control, transformer_options, kwargs, self.cfg.attention)
+        wrappers = outer(transformer_options)
+        named = dict(x=x, timestep=timestep, context=context, control=control, **kwargs)
+        if not wrappers:
+            return self._call(ModelCall.of(named, transformer_options))
+        inner = comfy_internals.without_diffusion_model_wrappers(transformer_options)
+
+        def compiled_call(got: dict):  # the wrappers' innermost function: the compiled call of what they pass on
+            options = got.pop("transformer_options", inner)
+            return self._call(ModelCall.of(got, options))
+
+        return run_around(compiled_call, self._dm, wrappers, {**named, "transformer_options": inner})
+
+    def _call(self, call: ModelCall):
+        refuse_unsupported(call.transformer_options, call.kwargs, self.cfg.attention)
         if not self.references:
-            kwargs = without_references(kwargs)
-        key = shape_key(x, context, kwargs, self.scale)
+            call = dataclasses.replace(call, kwargs=without_references(call.kwargs))
+        key = shape_key(call.x, call.context, call.kwargs, self.scale)
         decision = self.policy.decide(key, self.stats.shapes)
         if decision == "eager":  # eager_fallback for a shape that is not compiled: counted, and logged by the policy
             self.stats.eager_calls += 1
-            return self._dm(x, timestep, context=context, transformer_options=transformer_options, **kwargs)
+            return call.run(self._dm)
         if decision == "new":
             self.stats.shapes.append(key)
-        call = ModelCall(x, timestep, context, transformer_options, kwargs)
         if key in self.stats.compile_seconds:
-            with self.telemetry.warm_call(x):
+            with self.telemetry.warm_call(call.x):
                 out = self.runner(key, call)
         elif self.separate is not None and self.separate.runs_uncompiled(self, key, call):
             self.stats.eager_calls += 1  # uncompiled while a separate process compiles the shape: counted, shown
@@ -138,7 +152,7 @@ class CompiledFlux(torch.nn.Module):
             return call.run(self._dm)
         else:  # artifacts recorded for this model's kernel-cache file only; the CPU ISA list the options set: not kept
             recording = self.cache.recording() if self.cache is not None else contextlib.nullcontext()
-            with self.telemetry.first_call(key, transformer_options, x) as watch, recording, \
+            with self.telemetry.first_call(key, call.transformer_options, call.x) as watch, recording, \
                     torch_internals.vec_isa_list_kept():
                 out = self.runner(key, call, watch.loading_package)
             if self.cache is not None:

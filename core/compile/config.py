@@ -23,7 +23,7 @@ MODES: tuple[str, ...] = ("default", "tuned-kernels", "max-autotune")
 _MODE_OPTIONS = {"tuned-kernels": lambda: {"coordinate_descent_tuning": True},
                  # FluxAccel captures the CUDA graphs itself: inductor's own are always off
                  "max-autotune": lambda: torch_internals.mode_options("max-autotune-no-cudagraphs")}
-POLICIES: tuple[str, ...] = ("strict", "recompile", "eager_fallback")
+POLICIES: tuple[str, ...] = ("recompile", "strict", "eager_fallback")
 SEPARATE_ENV = "FLUXACCEL_SEPARATE_COMPILE"  # "0": a new shape compiles in its first call (fleets, tests)
 ATTENTIONS: tuple[str, ...] = ("cudnn", "fp8")  # fp8: FlashAttention-3's FP8 kernel (fp8_attention.py), opt-in
 
@@ -34,7 +34,7 @@ REMOVED_INPUTS: tuple[str, ...] = ("cuda_graphs", "persistent_cache", "block_reg
 
 @dataclass(frozen=True)
 class CompileConfig:
-    resolution_policy: str = dataclasses.field(default="strict", metadata=node_field())
+    resolution_policy: str = dataclasses.field(default="recompile", metadata=node_field())
     max_shapes: int = dataclasses.field(default=4, metadata=node_field(advanced=True))
     attention: str = dataclasses.field(default="cudnn", metadata=node_field(advanced=True))
     mode: str = dataclasses.field(default="default", metadata=node_field(advanced=True))
@@ -63,7 +63,8 @@ class CompileConfig:
         """The config in words (the Compile node's text). capture: '' where each model call is captured into a CUDA
         graph, else why not."""
         policy = {"strict": "only the first shape (another is an error)",
-                  "recompile": f"up to {self.max_shapes} shapes, each compiled when first met",
+                  "recompile": f"each new shape compiled when first met, up to {self.max_shapes}; more run uncompiled "
+                               f"(counted)",
                   "eager_fallback": "the first shape compiled, others run uncompiled (counted)"}[self.resolution_policy]
         return "; ".join([
             "each kind of FLUX block compiled once, on first use" + (f" (mode {self.mode})" if self.mode != "default"

@@ -1,8 +1,9 @@
 """What of a model call's transformer_options reaches the compiled graph. Every key is one of:
 
-  checked  -- per-block patches and diffusion-model wrappers (CHECKED): the compiled blocks would drop them, so a
-              call that carries any is refused, naming them; empty, they are left out (the block table passes its
-              own patches_replace)
+  checked  -- per-block patches (CHECKED): the compiled blocks would drop them, so a call that carries any is
+              refused, naming them; empty, they are left out (the block table passes its own patches_replace).
+              Diffusion-model wrappers run around the compiled call (wrappers.py) and never reach it; one that does
+              (a ComfyUI where FluxAccel cannot take them out) is refused the same way
   not read -- the sampler's bookkeeping that ComfyUI's FLUX never reads (NOT_READ: per-call values such as uuids and
               sigmas, which would only add guards); a test reads ComfyUI's FLUX source to keep this list true
   passed   -- everything else goes into the graph: what FLUX reads (rope_options, the attention override) and any
@@ -35,7 +36,7 @@ def unsupported(transformer_options: dict) -> list[str]:
     return found + [f"diffusion_model wrapper '{k}'" for k, v in from_wrappers.items() if v]
 
 
-def refuse_unsupported(control, transformer_options: dict, kwargs: dict, attention: str = "cudnn") -> None:
+def refuse_unsupported(transformer_options: dict, kwargs: dict, attention: str = "cudnn") -> None:
     """An error naming what the compiled graph cannot honour in this call; nothing if it can."""
     if attention == "fp8" and kwargs.get("attention_mask") is not None:
         raise FluxAccelError("The Compile node's attention 'fp8' (FlashAttention-3) takes no attention mask, and this "
@@ -46,9 +47,6 @@ def refuse_unsupported(control, transformer_options: dict, kwargs: dict, attenti
         raise FluxAccelError(f"The Compile node's attention 'fp8' and an attention override another node set "
                              f"({getattr(theirs, '__name__', type(theirs).__name__)}) cannot both run: set attention "
                              f"to 'cudnn' on the Compile node (FluxAccel), or remove the other node.")
-    if control is not None:
-        raise FluxAccelError("ControlNet inputs are not supported by the compiled FLUX model yet: bypass the "
-                             "Compile node (FluxAccel) when using ControlNet.")
     extra = unsupported(transformer_options)
     if extra:
         raise FluxAccelError(

@@ -7,13 +7,14 @@ compile began. A warm-start package that loads reports "loading the warm-start p
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
 from contextlib import contextmanager
 from typing import Callable
 
-from ..upstream import Unavailable, torch_internals
+from ..upstream import Unavailable, comfy_internals, say, torch_internals
 
 log = logging.getLogger("fluxaccel.compile")
 
@@ -50,15 +51,39 @@ def phase(before: dict[str, int] | None, now: dict[str, int] | None) -> str:
     return FIRST_RUN
 
 
+def cancelled() -> bool:
+    """Whether the user pressed Cancel in ComfyUI (False where this ComfyUI cannot tell: said once)."""
+    asked = comfy_internals.interrupt_requested()
+    if isinstance(asked, Unavailable):
+        say(asked, "a compile runs to its end after Cancel")
+        return False
+    return asked
+
+
+def _raise_in(thread_id: int, exc: type | None) -> None:
+    """Raise `exc` in the thread `thread_id` at its next Python instruction (None: take back one not raised yet)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
+
+
 class CompileWatch:
     """Context manager around one compiling call: report(text, elapsed) now, every `interval` seconds, and at the end.
-    A report that raises is logged and stops nothing (the compile must not fail for its progress display)."""
+    A report that raises is logged and stops nothing (the compile must not fail for its progress display).
 
-    def __init__(self, report: Report | None, what: str, interval: float = 1.0):
-        self.report, self.what, self.interval = report, what, interval
+    Cancel: the compile is Python running in the sampler's thread, which checks for Cancel only between steps. The
+    watcher checks `cancelled` at every interval and, once it is true, raises ComfyUI's interrupt in the compiling
+    thread; the call ends as a cancelled prompt, whatever torch made of the exception on its way out, and nothing
+    of the compile is saved (its files are written after the call). Where torch holds the thread in C code the
+    exception lands when Python runs again."""
+
+    def __init__(self, report: Report | None, what: str, interval: float = 1.0,
+                 cancelled: Callable[[], bool] | None = cancelled):
+        self.report, self.what, self.interval, self.cancelled = report, what, interval, cancelled
         self.loading = False  # while a warm-start package loads (loading_package)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._compiling = False
+        self._cancel_sent = False
 
     @contextmanager
     def loading_package(self):
@@ -87,20 +112,37 @@ class CompileWatch:
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             elapsed = time.perf_counter() - self._t0
-            self._send(self.text(elapsed), elapsed)
+            if self.report is not None:
+                self._send(self.text(elapsed), elapsed)
+            if self.cancelled is not None and not self._cancel_sent and self.cancelled():
+                with self._lock:
+                    if self._compiling:
+                        self._cancel_sent = True
+                        log.info("FluxAccel: Cancel pressed: stopping the compile of %s after %.1f s", self.what,
+                                 elapsed)
+                        _raise_in(self._owner, comfy_internals.interrupt_exception())
 
     def __enter__(self) -> "CompileWatch":
         self._before, self._t0 = _counts(), time.perf_counter()
+        self._owner, self._compiling = threading.get_ident(), True
         if self.report is not None:
             self._send(self.text(None), 0.0)
+        if self.report is not None or self.cancelled is not None:
             self._thread = threading.Thread(target=self._loop, name="fluxaccel-compile-progress", daemon=True)
             self._thread.start()
         return self
 
-    def __exit__(self, exc_type, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        with self._lock:
+            self._compiling = False
+            if self._cancel_sent:
+                _raise_in(self._owner, None)  # not raised yet (the call ended first): taken back
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-            elapsed = time.perf_counter() - self._t0
-            end = "failed" if exc_type is not None else "ready"
+        elapsed = time.perf_counter() - self._t0
+        if self.report is not None:
+            end = "cancelled" if self._cancel_sent else "failed" if exc_type is not None else "ready"
             self._send(f"compiling {self.what}: {end} after {elapsed:.1f} s", elapsed)
+        if self._cancel_sent and not isinstance(exc, comfy_internals.interrupt_exception()):
+            raise comfy_internals.interrupt_exception()("the compile was cancelled") from exc

@@ -56,6 +56,14 @@ class ModelCall:
     transformer_options: dict
     kwargs: dict
 
+    @classmethod
+    def of(cls, named: dict, transformer_options: dict) -> "ModelCall":
+        """The call of named inputs (x, timestep, context, control and the rest, control kept only where given)."""
+        rest = dict(named)
+        x, timestep, context, control = (rest.pop(k, None) for k in ("x", "timestep", "context", "control"))
+        return cls(x, timestep, context, transformer_options,
+                   {**rest, **({"control": control} if control is not None else {})})
+
     def run(self, dm: torch.nn.Module):
         """The call on `dm` as ComfyUI would make it (uncompiled)."""
         return dm(self.x, self.timestep, context=self.context, transformer_options=self.transformer_options,

@@ -40,6 +40,7 @@ from . import skeleton
 from .blocks import BlockTable
 from .config import CompileConfig
 from .fp8_attention import why_not
+from .progress import cancelled
 from .reductions import persistent
 from .rope import torch_rope
 from .runner import recompile_budget
@@ -113,11 +114,17 @@ class Job:
         return (lines[-1] if lines else "empty log")[:300]
 
     def wait(self, on_progress=None) -> str:
-        """Block until the process ends (Warmup, Benchmark); on_progress(text, seconds) about once a second."""
+        """Block until the process ends (Warmup, Benchmark); on_progress(text, seconds) about once a second. Cancel
+        ends the wait at once; the process compiles on in the background and its package is used when the shape is
+        next met (said)."""
         while self.poll() == "running":
             if on_progress is not None:
                 elapsed = time.monotonic() - self.started
                 on_progress(f"waiting for the separate-process compile of {self.shape} ({elapsed:.0f} s)", elapsed)
+            if cancelled():
+                log.info("FluxAccel: Cancel pressed while waiting for the separate-process compile of %s: it goes on "
+                         "in the background, and its package is loaded when this shape is next met", self.shape)
+                raise comfy_internals.interrupt_exception()("cancelled while a separate process compiles")
             time.sleep(0.5)
         return self.state
 

@@ -96,11 +96,13 @@ Decision = Literal["known", "new", "eager"]
 class ShapePolicy:
     """resolution_policy and max_shapes applied to the shapes a model has allowed so far (the caller keeps the list).
 
-    strict: the first shape only; recompile: up to max_shapes, each compiled when first met; eager_fallback: the first
-    shape compiled, others run uncompiled. A shape refused is an error that says what to change."""
+    recompile (the default): each new shape compiled when first met, up to max_shapes, and any more run uncompiled
+    (counted, said once per shape); strict: the first shape only, another is an error that says what to change
+    (fleets that must never run uncompiled); eager_fallback: the first shape compiled, others run uncompiled."""
 
     policy: str
     max_shapes: int
+    said: set = field(default_factory=set, compare=False)  # shapes already said to run uncompiled
 
     def decide(self, key: ShapeKey, allowed: Sequence[ShapeKey]) -> Decision:
         """'known' (compiled already or allowed), 'new' (allow it: the caller appends it), 'eager' (run uncompiled)."""
@@ -110,23 +112,28 @@ class ShapePolicy:
             return "new"
         compiled = "; ".join(k.describe() for k in allowed)
         if self.policy == "eager_fallback":
-            log.warning("FluxAccel: %s is not a compiled shape (compiled: %s); running this call uncompiled "
-                        "(resolution_policy eager_fallback)", key.describe(), compiled)
+            self._say_once(key, f"it is not a compiled shape (compiled: {compiled}); its calls run uncompiled, counted "
+                                f"(resolution_policy eager_fallback)")
             return "eager"
         if self.policy == "recompile" and len(allowed) < self.max_shapes:
             log.info("FluxAccel: compiling a new shape %s (%d of at most %d)", key.describe(), len(allowed) + 1,
                      self.max_shapes)
             return "new"
         if self.policy == "recompile":
-            raise FluxAccelError(
-                f"The compiled FLUX model already holds {len(allowed)} shapes (max_shapes {self.max_shapes}): "
-                f"{compiled}. Received {key.describe()}. Raise max_shapes on the Compile node, or use one of the "
-                f"compiled resolutions/batch sizes/prompt lengths.")
+            self._say_once(key, f"the compiled model holds its {self.max_shapes} shapes already (max_shapes): "
+                                f"{compiled}; its calls run uncompiled, counted. Raise max_shapes on the Compile node "
+                                f"to compile it too.")
+            return "eager"
         raise FluxAccelError(
             f"This FLUX model is compiled for {compiled}, but received {key.describe()}.{_what_is_new(key, allowed)} "
             f"Use the compiled resolution, batch size, prompt length (text tokens) and reference-image size, or set "
             f"resolution_policy to 'recompile' (or add the shape in the Warmup node), or 'eager_fallback' on the "
             f"Compile node.")
+
+    def _say_once(self, key: ShapeKey, why: str) -> None:
+        if key not in self.said:
+            self.said.add(key)
+            log.warning("FluxAccel: %s: %s", key.describe(), why)
 
     def register(self, key: ShapeKey, allowed: Sequence[ShapeKey]) -> bool:
         """Warmup's explicit request, whatever the policy, bounded by max_shapes: True if the caller appends it."""

@@ -199,6 +199,45 @@ def swap_in_wrapper(modules: dict):
     return apply_swapped
 
 
+# -- Cancel --------------------------------------------------------------------------------------------------------
+def interrupt_requested() -> bool | Unavailable:
+    """Whether the user pressed Cancel (ComfyUI's processing_interrupted: /interrupt sets it, the executor clears it)."""
+    fn = getattr(module("comfy.model_management"), "processing_interrupted", None)
+    return bool(fn()) if callable(fn) else _missing("comfy.model_management.processing_interrupted")
+
+
+def interrupt_exception() -> type:
+    """The exception that ends a prompt as cancelled (ComfyUI's InterruptProcessingException), where it is."""
+    cls = getattr(module("comfy.model_management"), "InterruptProcessingException", None)
+    return cls if isinstance(cls, type) and issubclass(cls, BaseException) else KeyboardInterrupt
+
+
+# -- diffusion-model wrappers (EasyCache and other nodes' WrappersMP.DIFFUSION_MODEL) ---------------------------------
+def diffusion_model_wrappers(transformer_options: dict) -> list | Unavailable:
+    """The DIFFUSION_MODEL wrappers this call's transformer_options carry (ComfyUI's get_all_wrappers), in the order
+    ComfyUI runs them; [] where there are none."""
+    try:
+        ext = module("comfy.patcher_extension")
+        return list(ext.get_all_wrappers(ext.WrappersMP.DIFFUSION_MODEL, transformer_options))
+    except (ImportError, AttributeError, TypeError) as e:
+        return _missing("comfy.patcher_extension.get_all_wrappers / WrappersMP.DIFFUSION_MODEL", str(e))
+
+
+def without_diffusion_model_wrappers(transformer_options: dict) -> dict:
+    """A copy of transformer_options whose wrappers hold no DIFFUSION_MODEL ones (the caller runs them itself)."""
+    wrappers = transformer_options.get("wrappers") or {}
+    kind = getattr(getattr(module("comfy.patcher_extension"), "WrappersMP", None), "DIFFUSION_MODEL",
+                   "diffusion_model")
+    return {**transformer_options, "wrappers": {k: v for k, v in wrappers.items() if k != kind}}
+
+
+def run_wrapped(fn, class_obj, wrappers: list, args: tuple, kwargs: dict):
+    """fn(*args, **kwargs) inside `wrappers` as ComfyUI runs a model's wrappers (WrapperExecutor, class_obj: the
+    model they wrap)."""
+    executor = module("comfy.patcher_extension").WrapperExecutor.new_class_executor(fn, class_obj, wrappers)
+    return executor.execute(*args, **kwargs)
+
+
 # -- dynamic VRAM: the resident copy FluxAccel works on ---------------------------------------------------------------
 # What ModelPatcher.__init__ (re)creates on a BaseModel when missing (plus ModelPatcherDynamic's dynamic_* records):
 # a resident copy starts without them.

@@ -402,3 +402,19 @@ def pin_host(t: torch.Tensor) -> bool | Unavailable:
 def unpin_host(t: torch.Tensor) -> None:
     """Release what pin_host locked."""
     torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+INDUCTOR_MODULES = ("torch._inductor.choices", "torch._inductor.codecache", "torch._inductor.output_code",
+                    "torch._inductor.compile_fx")
+
+
+def import_inductor() -> list[str]:
+    """Import inductor's modules that a warm-start package's load and a compile both need, in the calling thread;
+    the names this torch does not have (nothing to do there)."""
+    missing = []
+    for name in INDUCTOR_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing

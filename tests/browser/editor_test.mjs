@@ -191,9 +191,12 @@ try {
   await page.waitForTimeout(800);
   await page.screenshot({ path: `${out}/editor-after-run.png` });
 
-  // 5. a resolution the strict compiled model was not compiled for: a toast names both shapes
+  // 5. a resolution the compiled model was not compiled for, with resolution_policy set to strict (a fleet's
+  // choice; the default compiles the new size): a toast names both shapes
   step("wrong resolution");
   await page.evaluate(() => {
+    const c = window.app.graph._nodes.find((n) => n.type === "FluxAccelCompile");
+    c.widgets.find((x) => x.name === "resolution_policy").value = "strict";
     const b = window.app.graph._nodes.find((n) => n.type === "FluxAccelBenchmark");
     for (const name of ["width", "height"]) b.widgets.find((x) => x.name === name).value = 80;
   });

@@ -82,19 +82,22 @@ def default_server(e2e_model_file, tmp_path_factory):
 
 
 def test_new_shape_runs_uncompiled_while_a_separate_process_compiles_it(default_server):
-    """The Compile node's default: the first prompt of a shape no package exists for runs the model uncompiled -- bit
+    """The Compile node's defaults: the first prompt of a shape no package exists for runs the model uncompiled -- bit
     for bit the uncompiled model's latent -- while a separate process compiles the shape (the log names the process);
     once it is done, the next prompt loads the package it wrote (nothing traced or compiled in the server) and runs
-    compiled."""
+    compiled. A size met later under the same compiled model is no error either: it runs uncompiled, counted, while
+    its own compile starts."""
     import time
 
     server = default_server
 
-    def graph(seed: int, compile_: bool = True) -> dict:
-        g = flux_inputs(48, 12)  # a shape no other test compiles: no package on disk yet
+    def graph(seed: int, compile_: bool = True, size: int = 48) -> dict:
+        g = flux_inputs(size, 12)  # shapes no other test compiles: no package on disk yet
         if compile_:
-            g["4"] = {"class_type": "FluxAccelCompile", "inputs": {"model": ["1", 0], "resolution_policy": "strict"}}
-        g.update(sample_and_save("4" if compile_ else "1", seed=seed, steps=2, tag=f"separate-{seed}-{compile_}"))
+            g["4"] = {"class_type": "FluxAccelCompile", "inputs": {"model": ["1", 0],
+                                                                   "resolution_policy": "recompile"}}
+        g.update(sample_and_save("4" if compile_ else "1", seed=seed, steps=2,
+                                 tag=f"separate-{seed}-{compile_}-{size}"))
         return g
 
     def log_since(at: int) -> str:
@@ -113,4 +116,9 @@ def test_new_shape_runs_uncompiled_while_a_separate_process_compiles_it(default_
     second = _latent(server, server.run(graph(2)))
     said = log_since(at)
     assert "from its warm-start package" in said and "FluxAccel: compiled batch" not in said, said
+    at = server.log_path.stat().st_size
+    third = _latent(server, server.run(graph(3, size=80)))  # a new size, the same compiled model: no error
+    said = log_since(at)
+    assert "compiling a new shape batch 1, latent 10x10" in said and "in a separate process (pid" in said, said
     assert rel_err(second, _latent(server, server.run(graph(2, compile_=False)))) < 2e-2
+    assert torch.equal(third, _latent(server, server.run(graph(3, compile_=False, size=80))))

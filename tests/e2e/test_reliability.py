@@ -118,3 +118,39 @@ def test_interrupt_during_warmup_then_the_compiled_model_still_works(server):
     assert rel_err(out, ref) < 2e-2
     # the Compile node's output (and its compiled graph) survived the interrupt: no second compile of 64x64
     assert len(made.findall(server.log_path.read_text(errors="replace"))) == compiled_before
+
+
+def test_cancel_during_a_compile_ends_the_prompt_within_two_seconds(server):
+    """Cancel (/interrupt) while Warmup compiles a shape in its own call: the prompt ends as interrupted within 2 s
+    of the cancel (not when the compile would have ended), the log says so, nothing of that compile is kept (no
+    'compiled' line), and the same workflow then compiles and runs."""
+    def graph(tag):
+        g = flux_inputs(96)  # a shape no other test of this server compiles
+        g["4"] = {"class_type": "FluxAccelCompile", "inputs": {"model": ["1", 0], "resolution_policy": "recompile"}}
+        g["8"] = {"class_type": "FluxAccelWarmup", "inputs": {"model": ["4", 0], "resolutions": "96x96",
+                                                              "batch_size": 1, "text_length": 16, "cfg": 1.0,
+                                                              "steps": 1, "positive": ["2", 0]}}
+        g.update(sample_and_save("8", seed=3, steps=1, tag=tag))
+        return g
+
+    at = server.log_path.stat().st_size
+    sent, ended = [], []
+
+    def on_event(kind, data):
+        text = data.get("text", "") if isinstance(data, dict) else ""
+        # the compile's own progress, a second in: the model is being traced or lowered now
+        if not sent and kind == "progress_text" and "compiling batch 1, latent 12x12" in text and " s, " in text \
+                and not text.endswith(" 0 s, starting"):
+            sent.append(time.monotonic())
+            server.interrupt()
+        if kind == "execution_interrupted":
+            ended.append(time.monotonic())
+
+    with pytest.raises(PromptFailed):
+        server.run_following(graph("cancel"), on_event)
+    log = server.log_path.read_bytes()[at:].decode(errors="replace")
+    assert sent and ended, log[-3000:]
+    assert ended[0] - sent[0] <= 2.0, (ended[0] - sent[0], log[-3000:])
+    assert "Cancel pressed: stopping the compile of batch 1, latent 12x12" in log, log[-3000:]
+    assert "FluxAccel: compiled batch 1, latent 12x12" not in log, log[-3000:]
+    server.run(graph("after-cancel"))  # the next prompt compiles the shape and completes

@@ -91,3 +91,40 @@ def write_lora_file(path: str | os.PathLike, flux_file: str | os.PathLike, targe
     path.parent.mkdir(parents=True, exist_ok=True)
     save_atomic(sd, path)
     return path
+
+
+def write_flux_controlnet(path: Path, shape=TINY, seed: int = 7) -> Path:
+    """A FLUX ControlNet file in the XLabs layout ComfyUI's load_controlnet detects (an image hint, residuals for the
+    double blocks), built from ComfyUI's own ControlNetFlux at `shape`'s widths with one double block, random
+    weights (its residual Linears too, so that the control changes the image)."""
+    import comfy.ldm.flux.controlnet
+    import comfy.ops
+
+    cfg = {k: v for k, v in synthetic.unet_config({**shape, "depth": 1, "depth_single_blocks": 0}).items()
+           if k != "image_model"}
+    net = comfy.ldm.flux.controlnet.ControlNetFlux(operations=comfy.ops.disable_weight_init, dtype=torch.float32,
+                                                   **cfg)
+    synthetic.init_random_(net, seed)
+    # BFL's key names, as the file's detection reads them (ComfyUI renames *_norm.scale to .weight on load)
+    sd = {(k[: -len(".weight")] + ".scale" if k.endswith("_norm.weight") else k): v.contiguous()
+          for k, v in net.state_dict().items()}
+    save_atomic(sd, Path(path))
+    return Path(path)
+
+
+def comfy_nodes():
+    """ComfyUI's own nodes.py (its core nodes: ControlNetApplyAdvanced, ...), imported from the host by its path: the
+    name `nodes` also names this repository's package, which may come first on sys.path."""
+    import importlib.util
+    import sys
+
+    from tools import host
+
+    mod = sys.modules.get("nodes")
+    if mod is not None and hasattr(mod, "NODE_CLASS_MAPPINGS"):
+        return mod
+    spec = importlib.util.spec_from_file_location("nodes", host.comfy_dir() / "nodes.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["nodes"] = mod
+    spec.loader.exec_module(mod)
+    return mod

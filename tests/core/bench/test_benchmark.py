@@ -54,7 +54,7 @@ def test_denoiser_outputs_go_through_comfyuis_sampling_path(tiny_flux, compiled)
     from fluxaccel.core.bench.benchmark import FIDELITY_SIGMAS, denoiser_outputs
     from fluxaccel.core.compile.patch import compiled_of
 
-    model = apply_compile(tiny_flux, CompileConfig(separate_process=False))[0] if compiled else tiny_flux
+    model = apply_compile(tiny_flux, CompileConfig(resolution_policy="strict", separate_process=False))[0] if compiled else tiny_flux
     pos = synthetic_conditioning("tiny", text_len=16)
     neg = synthetic_conditioning("tiny", text_len=16, seed=5)
     case = BenchCase(width=128, height=128, seed=7)

@@ -166,8 +166,8 @@ def test_refused_where_it_cannot_run(tiny_flux):
 
 def test_a_mask_is_refused_with_fp8_attention():
     with pytest.raises(FluxAccelError, match="attention 'fp8' .* takes no attention mask"):
-        refuse_unsupported(None, {}, {"attention_mask": torch.ones(1, 4)}, "fp8")
-    refuse_unsupported(None, {}, {"attention_mask": torch.ones(1, 4)}, "cudnn")
+        refuse_unsupported({}, {"attention_mask": torch.ones(1, 4)}, "fp8")
+    refuse_unsupported({}, {"attention_mask": torch.ones(1, 4)}, "cudnn")
 
 
 def test_another_nodes_attention_override_is_refused_with_fp8_attention():
@@ -175,9 +175,9 @@ def test_another_nodes_attention_override_is_refused_with_fp8_attention():
         return func(*args, **kwargs)
 
     with pytest.raises(FluxAccelError, match=r"attention 'fp8' and an attention override another node set \(theirs\)"):
-        refuse_unsupported(None, {"optimized_attention_override": theirs}, {}, "fp8")
-    refuse_unsupported(None, {"optimized_attention_override": theirs}, {}, "cudnn")  # theirs runs, as before
-    refuse_unsupported(None, {"optimized_attention_override": fa.sdpa_fp8}, {}, "fp8")  # FluxAccel's own
+        refuse_unsupported({"optimized_attention_override": theirs}, {}, "fp8")
+    refuse_unsupported({"optimized_attention_override": theirs}, {}, "cudnn")  # theirs runs, as before
+    refuse_unsupported({"optimized_attention_override": fa.sdpa_fp8}, {}, "fp8")  # FluxAccel's own
 
 
 def test_config_names_the_setting():

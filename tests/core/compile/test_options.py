@@ -45,9 +45,6 @@ def test_the_workflows_attention_override_is_kept():
 ])
 def test_per_block_patches_and_model_wrappers_are_refused_by_name(opts, named):
     with pytest.raises(FluxAccelError, match=f"would ignore per-block patches: {named}"):
-        options.refuse_unsupported(None, opts, {}, None)
+        options.refuse_unsupported(opts, {}, None)
 
 
-def test_controlnet_is_refused():
-    with pytest.raises(FluxAccelError, match="ControlNet inputs are not supported"):
-        options.refuse_unsupported(object(), {}, {}, None)

@@ -442,3 +442,11 @@ def test_vec_isa_list_missing(monkeypatch, caplog):
         with torch_internals.vec_isa_list_kept():
             ran.append(1)
     assert ran == [1] and said(caplog, "valid_vec_isa_list", "stays in inductor's cache")
+
+
+def test_import_inductor_names_the_modules_this_torch_lacks(monkeypatch):
+    monkeypatch.setattr(torch_internals, "INDUCTOR_MODULES", ("torch._inductor.choices", "torch._inductor.not_here"))
+    assert torch_internals.import_inductor() == ["torch._inductor.not_here"]
+    import sys
+
+    assert "torch._inductor.choices" in sys.modules
