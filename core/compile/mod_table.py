@@ -18,8 +18,9 @@ than the call's: they can differ from the per-call Linear in the last bit, as an
 
 Where it applies ("auto" leaves it off elsewhere and says why; "on" is refused there): FLUX.1 models whose blocks'
 Modulation forward and vector lines FluxAccel read (KNOWN_*: their source's SHA-256), with modulation weights in the
-compute dtype, not FP8 (Quantize FP8's scope 'blocks+modulation'), and no weight patches on them (weights ComfyUI
-patches at every call run as ComfyUI's Linear, not looked up). Memory: CAPACITY rows of every modulation's outputs
+compute dtype, not FP8 (Quantize FP8's scope 'blocks+modulation'). A LoRA on the modulation weights is in them when
+the table is built: ComfyUI patches the weights when it loads the model, before the run's first call (weights ComfyUI
+patches at every call, lowvram's weight functions, run as ComfyUI's Linear, not looked up). Memory: CAPACITY rows of every modulation's outputs
 (FLUX.1-dev: 2.1 MB a row, 134 MB), moved with the model.
 """
 from __future__ import annotations
@@ -399,10 +400,6 @@ def why_not_here(model, dm: torch.nn.Module) -> str:
     if fp8:
         return (f"Quantize FP8 quantized its modulation weights ({fp8[0]}, ...; scope 'blocks+modulation'); Quantize "
                 f"FP8's scope 'blocks' keeps them for the table")
-    patched = sorted(k for k in getattr(model, "patches", {}) if any(k.startswith(f"{p}.") for p in keys))
-    if patched:
-        return (f"weight patches (a LoRA) change its modulation weights ({patched[0]}, ...), which the table reads as "
-                f"they are stored")
     if not callable(getattr(getattr(getattr(model, "model", None), "model_sampling", None), "timestep", None)):
         return "its model has no model_sampling.timestep (sigma to timestep)"
     for key, (_, m) in zip(keys, mods):

@@ -93,6 +93,26 @@ def write_lora_file(path: str | os.PathLike, flux_file: str | os.PathLike, targe
     return path
 
 
+def lora_state_dict(model, targets, rank: int = 4, seed: int = 7) -> dict:
+    """A rank-`rank` LoRA state dict in ComfyUI's generic format for these Linears of a loaded model (names relative
+    to its diffusion model), strong enough to change its output clearly."""
+    g = torch.Generator().manual_seed(seed)
+    dm, sd = model.model.diffusion_model, {}
+    for name in targets:
+        w = dm.get_submodule(name).weight.float()
+        s = (2 * w.std() / rank ** 0.5) ** 0.5
+        sd[f"diffusion_model.{name}.lora_up.weight"] = torch.randn(w.shape[0], rank, generator=g) * s
+        sd[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(rank, w.shape[1], generator=g) * s
+    return sd
+
+
+def with_lora(model, sd: dict, strength: float):
+    """What LoraLoaderModelOnly returns for this LoRA state dict: ComfyUI's own load_lora_for_models."""
+    import comfy.sd
+
+    return comfy.sd.load_lora_for_models(model, None, sd, strength, 0)[0]
+
+
 def write_flux_controlnet(path: Path, shape=TINY, seed: int = 7) -> Path:
     """A FLUX ControlNet file in the XLabs layout ComfyUI's load_controlnet detects (an image hint, residuals for the
     double blocks), built from ComfyUI's own ControlNetFlux at `shape`'s widths with one double block, random
