@@ -1,4 +1,4 @@
-"""FluxAccel: FP8, whole-model torch.compile and CUDA graphs for FLUX in ComfyUI.
+"""FluxAccel: FP8, per-block torch.compile and a CUDA graph per model call for FLUX in ComfyUI.
 
 ComfyUI loads this folder from custom_nodes/. It exports only the V3 entry point and the web folder;
 nothing heavy is imported here, so a missing torchao or an old GPU never breaks ComfyUI's startup.

@@ -114,6 +114,14 @@ class CompiledFlux(torch.nn.Module):
         new.telemetry.on_compiled, new.telemetry.on_progress = self.on_compiled, self.on_progress
         return new
 
+    def again(self) -> "CompiledFlux":
+        """derive() for another clone of the same model, config and FP8 Linears (patch.apply_compile): its calls
+        counted from zero."""
+        new = self.derive()
+        new.stats = self.stats.for_another_clone()
+        new.telemetry = Telemetry(new)
+        return new
+
     def register_shape(self, key: ShapeKey) -> None:
         """Allow a shape explicitly (the Warmup node), whatever the resolution policy; bounded by max_shapes."""
         if self.policy.register(key, self.stats.shapes):

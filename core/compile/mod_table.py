@@ -411,13 +411,18 @@ def why_not_here(model, dm: torch.nn.Module) -> str:
     return ""
 
 
-def for_clone(clone, model, dm: torch.nn.Module, device: torch.device) -> tuple[ModTable | None, str]:
-    """(the table installed on `clone`, '') where `model` allows it; else (None, why) -- '' also where the
-    architecture has no per-block modulations, so nothing to say."""
+def for_clone(clone, model, dm: torch.nn.Module, device: torch.device,
+              earlier: ModTable | None = None) -> tuple[ModTable | None, str]:
+    """(the table installed on `clone`, '') where `model` allows it -- `earlier`, the table of a compiled model this
+    clone reuses, where one is given; else (None, why) -- '' also where the architecture has no per-block
+    modulations, so nothing to say."""
     why = why_not_here(model, dm)
-    if not why:
-        return install(clone, model, dm, device), ""
-    return None, f"{why}; each call computes its modulations" if modulations(dm) else ""
+    if why:
+        return None, f"{why}; each call computes its modulations" if modulations(dm) else ""
+    if earlier is not None:
+        swaps.add(clone, earlier.swapped)
+        return earlier, ""
+    return install(clone, model, dm, device), ""
 
 
 def install(clone, model, dm: torch.nn.Module, device: torch.device) -> ModTable:
@@ -431,4 +436,5 @@ def install(clone, model, dm: torch.nn.Module, device: torch.device) -> ModTable
         swapped[f"diffusion_model.{name}"] = m = TableModulation(original, table, device, dtype)
         table.modules.append(m)
     swaps.add(clone, swapped)  # one object patch per block, with the FP8 Linears already swapped there
+    table.swapped = swapped  # what another clone of the compiled model gets (for_clone's `earlier`)
     return table

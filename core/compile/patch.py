@@ -7,6 +7,7 @@ key is removed first. The loaded model and other branches are never compiled.
 from __future__ import annotations
 
 import logging
+import weakref
 
 from comfy.patcher_extension import WrappersMP
 import torch
@@ -16,6 +17,7 @@ from ..errors import FluxAccelError
 from ..models import swaps
 from ..models.flux import FluxModel, on_load_callback_type
 from ..models.loaded import compiled_elsewhere
+from ..quant.patch import fp8_state
 from ..upstream import Unavailable, comfy_internals, torch_internals
 from . import fp8_attention, mod_table, single_block
 from .compiled import CompiledFlux, Setup
@@ -26,6 +28,8 @@ from .staging import staging_wrapper
 log = logging.getLogger("fluxaccel.compile")
 
 COMPILE_KEY = "fluxaccel.compile"
+KEEP = 4  # compiled models kept per loaded model for its later clones (another LoRA strength reuses one)
+_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # BaseModel -> {what it depends on: CompiledFlux}
 COMFY_COMPILE_KEY = comfy_internals.COMFY_COMPILE_KEY
 NODE = "Compile + CUDA Graph (FluxAccel)"
 
@@ -92,20 +96,39 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
     why_fp8 = fp8_attention.why_not(device) if cfg.attention == "fp8" else ""
     if why_fp8:
         raise FluxAccelError(f"{node}: attention 'fp8' cannot run here: {why_fp8}. Set attention to 'cudnn'.")
-    table, why_table = mod_table.for_clone(clone, flux.model, flux.dm, device)
-    degraded = {  # what runs below what FluxAccel could do here, and why: the stats (node text, badge) and the log
-        "CUDA graphs": capture if device.type == "cuda" else "",  # on a GPU graphs were expected
-        "modulation table": why_table,
-        "single blocks' fused input": single_block.why_off(flux.model, flux.dm),
-        "FP8 attention's Q/K scales from the QK-norm bound":
-            fp8_attention.why_qk_bound_off(flux.dm) if cfg.attention == "fp8" else ""}
-    degraded = tuple((what, why) for what, why in degraded.items() if why)
-    for what, why in degraded:
-        log.warning("FluxAccel: %s runs without %s: %s", node, what, why)
-    setup = Setup(device, options, cache_key(clone, cfg, device, options), capture, flux.scale, flux.references, table,
-                  degraded)
+    # a compiled model of this loaded model with the same config, device and FP8 Linears (another LoRA strength, ...)
+    # serves this clone too: its compiled blocks, caches, CUDA graphs and table
+    reuse = (cfg, str(device), getattr(fp8_state(flux.model), "store", None), _object_patches(clone))
+    kept = _COMPILED.setdefault(flux.model.model, {})
+    earlier = kept.get(reuse)
+    table, why_table = mod_table.for_clone(clone, flux.model, flux.dm, device,
+                                           earlier.runner.mod_table if earlier is not None else None)
+    if earlier is not None and table is earlier.runner.mod_table:
+        log.info("FluxAccel: %s: the same model, config and FP8 Linears as a model compiled before: its compiled "
+                 "blocks and CUDA graphs serve this one", node)
+        compiled = earlier.again()
+    else:
+        degraded = {  # what runs below what FluxAccel could do here, and why: the stats (node text, badge), the log
+            "CUDA graphs": capture if device.type == "cuda" else "",  # on a GPU graphs were expected
+            "modulation table": why_table,
+            "single blocks' fused input": single_block.why_off(flux.model, flux.dm),
+            "FP8 attention's Q/K scales from the QK-norm bound":
+                fp8_attention.why_qk_bound_off(flux.dm) if cfg.attention == "fp8" else ""}
+        degraded = tuple((what, why) for what, why in degraded.items() if why)
+        for what, why in degraded:
+            log.warning("FluxAccel: %s runs without %s: %s", node, what, why)
+        setup = Setup(device, options, cache_key(clone, cfg, device, options), capture, flux.scale, flux.references,
+                      table, degraded)
+        compiled = kept[reuse] = CompiledFlux(flux.dm, cfg, setup)
+        while len(kept) > KEEP:
+            del kept[next(iter(kept))]
     clone.add_callback_with_key(flux.on_load_type, COMPILE_KEY, flux.partial_load_guard)
-    return _install(clone, CompiledFlux(flux.dm, cfg, setup))
+    return _install(clone, compiled)
+
+
+def _object_patches(clone) -> tuple:
+    """What the clone's object patches swap, by key and kind (FluxAccel's FP8 blocks, other nodes' modules)."""
+    return tuple(sorted((k, type(v).__name__) for k, v in clone.object_patches.items()))
 
 
 def compiled_of(model) -> CompiledFlux | None:

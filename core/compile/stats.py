@@ -69,6 +69,19 @@ class CompileStats:
         new.host_s, new.device_events = deque(self.host_s, maxlen=256), deque(self.device_events, maxlen=256)
         return new
 
+    COUNTERS = ("calls", "eager_calls", "uncompiled_while_compiling", "staged_tensors", "model_compiler_paused",
+                "model_compiler_unknown")
+
+    def for_another_clone(self) -> "CompileStats":
+        """The stats of another clone compiled as this one (patch.apply_compile's reuse): what was compiled and
+        how (shapes, compile times, packages, what runs below FluxAccel's best) carried over; its calls counted
+        from zero."""
+        new = self.copy()
+        for name in self.COUNTERS:
+            setattr(new, name, 0)
+        new.host_s, new.device_events = deque(maxlen=256), deque(maxlen=256)
+        return new
+
     def degrade(self, what: str, why: str, kind: Kind = "off") -> None:
         """Record (once per what) a part of the request that does not run as asked; the log says it where it happens."""
         if not any(d.what == what for d in self.degradations):

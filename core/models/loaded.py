@@ -82,16 +82,3 @@ def require_compatible(model, dm, node: str, quantized_ok: bool = False) -> None
             f"{node}: this model's weights are already quantized by ComfyUI's mixed-precision ops "
             f"({', '.join(kitchen[:3])}{', ...' if len(kitchen) > 3 else ''}). Put Quantize FP8 (FluxAccel) before "
             f"this node: it re-quantizes such checkpoints (and dequantizes the layers it keeps in bf16).")
-
-
-def stored_live_tree(model, node: str) -> None:
-    """Make the live module tree hold this model's stored weights and modules (ComfyUI's own unload, where another
-    clone's patches are applied now), so that ComfyUI's weight patching reads the weights this clone patches."""
-    if not (model.backup or model.object_patches_backup):
-        return
-    unloaded = comfy_internals.unload_model_and_clones(model)
-    if isinstance(unloaded, Unavailable) or model.backup or model.object_patches_backup:
-        raise FluxAccelError(f"{node}: another branch of this workflow has its patches applied to the loaded model "
-                             f"({unloaded if isinstance(unloaded, Unavailable) else 'ComfyUI did not unload it'}), so "
-                             f"this branch's LoRA cannot be merged from the stored weights. Free the model (the Unload "
-                             f"Models button) and run again.")

@@ -46,12 +46,13 @@ class _Fp8Linear:
 
     def convert_weight(self, weight, inplace=False, **kwargs):
         """ComfyUI calls this (found by get_key_weight) when it applies a weight patch (LoRA, ...) to this Linear,
-        before computing the patched weight. Reached only by a patch added *after* quantization (patches present
-        before are merged into the FP8 weights by quant/patch.py): refuse, rather than patch or drop it."""
+        before computing the patched weight. Patches reach FluxAccel's FP8 Linears through quant/store.py (merged in
+        place when the clone loads for a sampler); one that reaches ComfyUI's own patching here -- the model loaded
+        outside a sampler -- is refused, rather than patched into FP8 data or dropped."""
         raise FluxAccelError(
-            "A LoRA (or another weight patch) reaches a Linear that Quantize FP8 (FluxAccel) already quantized; FP8 "
-            "weights cannot be patched afterwards. Put LoraLoaderModelOnly (and other weight-patching nodes) before "
-            "Quantize FP8 (FluxAccel): their changes are then merged into the FP8 weights.")
+            "A LoRA (or another weight patch) reaches a Linear that Quantize FP8 (FluxAccel) quantized, outside "
+            "ComfyUI's sampler, where FluxAccel cannot merge it. Put LoraLoaderModelOnly (and other weight-patching "
+            "nodes) before Quantize FP8 (FluxAccel), or sample the model with a KSampler.")
 
     set_weight = convert_weight
 

@@ -19,10 +19,9 @@ import uuid
 from dataclasses import dataclass
 
 from ..env import require_fp8_device, require_torch, require_torchao
-from ..errors import FluxAccelError
 from ..models import swaps
 from ..models.flux import FluxModel, on_load_callback_type, partial_load_guard, prepare_sampling_type
-from . import act_fusion, build, source
+from . import source, store
 from .build import Kept
 from .fp8 import Fp8Config
 from .report import Fp8Report
@@ -33,25 +32,41 @@ FP8_KEY = "fluxaccel_fp8"  # ModelPatcher attachment (Fp8State), ON_LOAD callbac
 NODE = "Quantize FP8 (FluxAccel)"
 
 
-LATE_PATCH_MESSAGE = (
-    "{node}: this model's Linears are already FP8-quantized, so a LoRA (or another weight patch) cannot be applied "
-    "after Quantize FP8 ({n} patched layers, e.g. {example}). Put LoraLoaderModelOnly (and other weight-patching "
-    "nodes) before Quantize FP8 (FluxAccel): their changes are then merged into the FP8 weights.")
+LATE = "fluxaccel_late_patches"  # the ModelPatcher attribute that holds, while it samples, the patches taken off
 
 
-def _refuse_late_weight_patches(node: str):
-    """A PREPARE_SAMPLING wrapper (ComfyUI's sampler merges the patcher's wrappers and runs it before it loads the
-    model): weight patches on FP8 Linears -- a LoRA added after Quantize FP8 -- are refused with what to do, before
-    ComfyUI would try to patch FP8 data. Outside the sampler an FP8 Linear refuses them itself (convert_weight).
-    The dequantized bf16 Linears take patches."""
-    def prepare_sampling(executor, model, *args, **kwargs):
-        state = fp8_state(model)
-        fp8_weights = {f"diffusion_model.{n}.weight" for n in state.report.quantized} if state else set()
-        hit = sorted(k for k, v in model.patches.items() if v and k in fp8_weights)
-        if hit:
-            raise FluxAccelError(LATE_PATCH_MESSAGE.format(node=node, n=len(hit), example=hit[0]))
+def _merged_when_sampling(executor, model, *args, **kwargs):
+    """A PREPARE_SAMPLING wrapper (ComfyUI's sampler runs it before it loads the model): weight patches a LoRA node
+    added after Quantize FP8 on the FP8 Linears are taken off the clone while it samples (ComfyUI's load must not
+    patch FP8 data), for the load to merge them in place (_on_load), and put back after."""
+    state = fp8_state(model)
+    ours = set(state.store.keys()) if state is not None and state.store is not None else set()
+    late = {k: v for k, v in model.patches.items() if v and k in ours}
+    for k in late:
+        del model.patches[k]
+    setattr(model, LATE, late)
+    try:
         return executor(model, *args, **kwargs)
-    return prepare_sampling
+    finally:
+        model.patches.update(late)
+        setattr(model, LATE, {})
+
+
+def _on_load(node: str):
+    """An ON_LOAD callback: a partial (lowvram) load is refused; the FP8 Linears are brought to the loaded clone's
+    weight patches in place -- those present when Quantize FP8 ran, then any a LoRA node added after it
+    (store.Fp8Store.sync: only where they differ from what the Linears hold)."""
+    guard = partial_load_guard(node)
+
+    def on_load(patcher, *args):
+        guard(patcher, *args)
+        state = fp8_state(patcher)
+        if state is None or state.store is None:
+            return
+        late = getattr(patcher, LATE, {})
+        state.store.sync(patcher, {k: list(state.merged_patches.get(k, ())) + list(late.get(k, ()))
+                                   for k in state.store.keys()})
+    return on_load
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,7 @@ class Fp8State:
     report: Fp8Report
     merged_patches: Kept  # weight patches merged into the FP8 weights, restored by remove_fp8
     fused_keys: tuple[str, ...] = ()  # the object-patch keys of the activations fused into FP8 Linears (Identity)
+    store: object = None  # the store.Fp8Store whose Linears these are
 
 
 def fp8_state(model) -> Fp8State | None:
@@ -90,25 +106,22 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     require_fp8_device(flux.device)
 
     linears = source.read(flux, cfg)
-    report = Fp8Report(cfg.granularity, cfg.scope, str(flux.device), skipped=dict(linears.skipped))
-    built = build.fp8_linears(linears, cfg, report)
-    fused = act_fusion.fuse(flux.dm, lambda name, m: swaps.original(flux.model, f"diffusion_model.{name}", m),
-                            built.modules, cfg, report)
+    shared, report, merged = store.for_clone(flux, linears, cfg)
 
     clone = flux.model.clone()
-    for key in built.merged:  # inside the new weights now; kept aside for remove_fp8 (the baseline)
+    for key in merged:  # merged into the FP8 weights (store.sync), not by ComfyUI's load; kept for remove_fp8
         clone.patches.pop(key)
-    keys = tuple(f"diffusion_model.{n}" for n in built.modules)
+    keys = tuple(f"diffusion_model.{n}" for n in shared.modules)
     # one object patch per block: ComfyUI re-applies each at every prompt
-    swaps.add(clone, {**dict(zip(keys, built.modules.values())), **fused})
+    swaps.add(clone, {**dict(zip(keys, shared.modules.values())), **shared.fused})
     # A fresh patches_uuid makes ComfyUI unpatch/move the model when it switches between this clone and
     # another one, so the GPU holds only the weights of the clone being run.
     clone.patches_uuid = uuid.uuid4()
     clone.size = max(1, flux.model.model_size() - report.bytes_saved)
     # FP8 weights cannot be streamed per layer by ComfyUI's lowvram path
-    clone.add_callback_with_key(on_load_callback_type(), FP8_KEY, partial_load_guard(node))
-    clone.add_wrapper_with_key(prepare_sampling_type(), FP8_KEY, _refuse_late_weight_patches(node))
-    clone.set_attachments(FP8_KEY, Fp8State(cfg, keys, report, built.merged, tuple(fused)))
+    clone.add_callback_with_key(on_load_callback_type(), FP8_KEY, _on_load(node))
+    clone.add_wrapper_with_key(prepare_sampling_type(), FP8_KEY, _merged_when_sampling)
+    clone.set_attachments(FP8_KEY, Fp8State(cfg, keys, report, merged, tuple(shared.fused), shared))
     log.info("%s", report.summary())
     return clone, report
 

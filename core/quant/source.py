@@ -9,7 +9,8 @@ import torch
 from ..errors import FluxAccelError
 from ..models import swaps
 from ..models.flux import FluxModel, require_bf16_weights
-from ..models.loaded import is_checkpoint_quantized, linear_like, stored_live_tree
+from ..models.loaded import is_checkpoint_quantized, linear_like
+from ..upstream import Unavailable, comfy_internals
 from .fp8 import Fp8Config, select_linears
 from .linear import is_fp8_linear
 
@@ -52,27 +53,37 @@ class Linears:
 
     def as_run(self, merged: dict):
         """(name, Linear, {weight, bias}) for each chosen Linear, then each to dequantize, one at a time (at most one
-        merged weight exists at once): the tensors this clone runs. Where it has weight patches (LoRA, ...),
-        ComfyUI's own patch_weight_to_device merges them as ComfyUI's loader would (its compute dtype, its rounding,
-        the op's own convert/set functions; read() made the live tree the stored one), and `merged` gets each
-        patch key with its patches; elsewhere the stored tensor; a checkpoint-quantized weight dequantized to bf16
-        (torchao per_row needs it)."""
+        merged weight exists at once). Each is its stored tensor (ComfyUI's backup where another clone's patch is
+        applied to the live one now; a checkpoint-quantized weight dequantized to bf16, as torchao per_row needs
+        it), a chosen one's with this clone's weight patches (LoRA, ...) merged by ComfyUI's own weight patching
+        (upstream/comfy_internals.patched_weight): `merged` gets each merged key with its patches. A Linear made
+        bf16 keeps its patches for ComfyUI's load."""
         model = self.model
         for name in (*self.chosen, *self.dequantize):
             lin, params = self.originals[name], {}
             for p in ("weight", "bias"):
-                t = getattr(lin, p, None)
                 key = f"diffusion_model.{name}.{p}"
-                if t is not None and model.patches.get(key):
-                    t = model.patch_weight_to_device(key, device_to=self.device, return_weight=True)
+                t = model.backup[key].weight if key in model.backup else getattr(lin, p, None)
+                if t is None:
+                    continue
+                if is_checkpoint_quantized(t):  # ComfyUI's own dequantization, in bf16 as a bf16 checkpoint's
+                    t = t.dequantize().to(torch.bfloat16)
+                if model.patches.get(key) and name in self.chosen:  # (a bf16 one is patched by ComfyUI's load)
+                    t = patched(model.patches[key], key, t, self.device)
                     merged[key] = model.patches[key]
-                elif t is not None and key in model.backup:  # another clone's patch is on the live weight
-                    t = model.backup[key].weight
-                if t is not None and is_checkpoint_quantized(t):  # ComfyUI's own dequantization, in bf16 as a
-                    t = t.dequantize().to(torch.bfloat16)  # bf16 checkpoint's weights
-                if t is not None:
-                    params[p] = t
+                params[p] = t
             yield name, lin, params
+
+
+def patched(patches: list, key: str, stored: torch.Tensor, device) -> torch.Tensor:
+    """The stored tensor at `key` with these weight patches merged by ComfyUI's own weight patching; refused, with
+    what to do, where this ComfyUI's patching is not where FluxAccel reads it."""
+    t = comfy_internals.patched_weight(patches, key, stored, device)
+    if isinstance(t, Unavailable):
+        raise FluxAccelError(f"Quantize FP8 (FluxAccel): this ComfyUI's weight patching is not where FluxAccel reads "
+                             f"it ({t}); LoRAs cannot be merged into FP8 weights here. Run without Quantize FP8, or "
+                             f"report this.")
+    return t
 
 
 def read(flux: FluxModel, cfg: Fp8Config) -> Linears:
@@ -91,12 +102,9 @@ def read(flux: FluxModel, cfg: Fp8Config) -> Linears:
     sel = select_linears(originals.items(), cfg, flux.profile)
     if not sel.chosen:
         raise FluxAccelError(f"{flux.node}: no Linear layer matched scope '{cfg.scope}'; choose scope all_linear.")
-    patches = lambda names: [k for n in names for p in ("weight", "bias")  # noqa: E731
-                             if model.patches.get(k := f"diffusion_model.{n}.{p}")]
-    if patches(originals):  # ComfyUI's weight patching reads the live tree: it must hold this model's stored weights
-        stored_live_tree(model, flux.node)
+    patched = [k for n in sel.chosen for p in ("weight", "bias") if model.patches.get(k := f"diffusion_model.{n}.{p}")]
     return Linears(model, originals, sel.chosen, dict(sel.skipped),
-                   [n for n in sel.skipped if is_checkpoint_quantized(originals[n].weight)], patches(sel.chosen))
+                   [n for n in sel.skipped if is_checkpoint_quantized(originals[n].weight)], patched)
 
 
 def _is_ours(obj) -> bool:

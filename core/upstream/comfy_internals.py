@@ -209,7 +209,11 @@ def interrupt_requested() -> bool | Unavailable:
 def interrupt_exception() -> type:
     """The exception that ends a prompt as cancelled (ComfyUI's InterruptProcessingException), where it is."""
     cls = getattr(module("comfy.model_management"), "InterruptProcessingException", None)
-    return cls if isinstance(cls, type) and issubclass(cls, BaseException) else KeyboardInterrupt
+    if isinstance(cls, type) and issubclass(cls, BaseException):
+        return cls
+    say(_missing("comfy.model_management.InterruptProcessingException"),
+        "a cancelled compile ends its prompt with KeyboardInterrupt, which ComfyUI reports as an error")
+    return KeyboardInterrupt
 
 
 # -- diffusion-model wrappers (EasyCache and other nodes' WrappersMP.DIFFUSION_MODEL) ---------------------------------
@@ -284,6 +288,23 @@ def unload_model_and_clones(model) -> bool | Unavailable:
         return _missing("comfy.model_management.unload_model_and_clones")
     fn(model)
     return True
+
+
+# -- a weight with its patches, as ComfyUI computes it ----------------------------------------------------------------
+def patched_weight(patches: list, key: str, weight: torch.Tensor, device) -> torch.Tensor | Unavailable:
+    """`weight` (the stored weight at `key`) with these weight patches (LoRA, ...), on `device`, as
+    ModelPatcher.patch_weight_to_device computes it for a plain op: cast to ComfyUI's LoRA compute dtype for the
+    device, comfy.lora.calculate_weight, then ComfyUI's stochastic rounding back to the weight's dtype with the key's
+    seed. Bit-identical to ComfyUI's (tests/core/upstream: against the real patch_weight_to_device)."""
+    try:
+        mm, lora, fl, utils = (module(n) for n in ("comfy.model_management", "comfy.lora", "comfy.float",
+                                                   "comfy.utils"))
+        temp = mm.cast_to_device(weight, device, mm.lora_compute_dtype(device), copy=True)
+        out = lora.calculate_weight(patches, temp, key)
+        return fl.stochastic_rounding(out, weight.dtype, seed=utils.string_to_seed(key))
+    except (ImportError, AttributeError) as e:
+        return _missing("comfy.lora.calculate_weight / comfy.float.stochastic_rounding / "
+                        "comfy.model_management.lora_compute_dtype", str(e))
 
 
 # -- where a model's weights came from --------------------------------------------------------------------------------

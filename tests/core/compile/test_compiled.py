@@ -9,6 +9,7 @@ from fluxaccel.core.compile.config import CompileConfig
 
 from fluxaccel.core.compile.shapes import ShapeKey
 from fluxaccel.core.compile.patch import apply_compile, compiled_of, remove_compile
+from fluxaccel.core.quant.patch import fp8_state
 from fluxaccel.core.models.loaded import compiled_elsewhere
 from fluxaccel.core.errors import FluxAccelError
 from fluxaccel.core.bench.metrics import rel_err
@@ -307,3 +308,96 @@ def test_controlnet_residuals_reach_the_compiled_model(tmp_path):
     assert rel_err(out, eager) < 1e-4
     assert rel_err(eager, run(base, with_control=False)) > 1e-2  # the control changes the image
     assert compiled.stats.calls == 3 and compiled.stats.eager_calls == 0
+
+
+def test_a_lora_strength_change_reuses_the_compiled_model(cpu_fp8, tiny_flux, counters):
+    """LoraLoaderModelOnly -> Quantize FP8 -> Compile, strength 1.0 then 0.5 (ComfyUI's own LoRA loading): the second
+    Compile shares the first's compiled blocks and CUDA graphs (nothing compiled again: dynamo's counters), the FP8
+    Linears are the same buffers merged in place, and the image is the one a fresh quantize and compile of the 0.5
+    clone gives."""
+    from fluxaccel.core.compile import patch
+    from fluxaccel.core.quant import store
+    from fluxaccel.core.quant.fp8 import Fp8Config
+    from fluxaccel.core.quant.patch import apply_fp8
+    from support.models import lora_state_dict, with_lora
+    from support.runs import sample
+
+    targets = ["double_blocks.0.img_attn.qkv", "double_blocks.1.img_mlp.0", "single_blocks.0.linear1",
+               "double_blocks.0.img_mod.lin"]
+    sd = lora_state_dict(tiny_flux, targets)
+    cfg = CompileConfig(separate_process=False)
+
+    def chain(strength):
+        return apply_compile(apply_fp8(with_lora(tiny_flux, sd, strength), Fp8Config())[0], cfg)
+
+    full, c_full = chain(1.0)
+    out_full = sample(full, steps=2)
+    graphs, merges = compiled_graphs(), fp8_state(full).store.merges
+    half, c_half = chain(0.5)
+    assert c_half.runner is c_full.runner and c_half.stats.calls == 0
+    out_half = sample(half, steps=2)
+    assert compiled_graphs() == graphs and c_half.stats.eager_calls == 0
+    assert fp8_state(full).store.merges == merges + 3  # the three FP8 Linears the LoRA patches
+    assert rel_err(out_half, out_full) > 1e-3
+    store._STORES.clear()
+    patch._COMPILED.clear()
+    fresh, _ = chain(0.5)
+    assert torch.equal(sample(fresh, steps=2), out_half)
+
+
+@pytest.mark.parametrize("change", ["swap", "stack", "remove"])
+def test_a_lora_swap_stack_or_removal_reuses_the_compiled_model_in_place(cpu_fp8, tiny_flux, counters, change):
+    """LoRA A, then (swap) LoRA B instead, (stack) A and B chained, or (remove) none, each -> Quantize FP8 ->
+    Compile: nothing compiled again (dynamo's counters), the FP8 Linears keep their buffers (data pointers), and
+    the image equals a fresh quantize and compile of that chain."""
+    from fluxaccel.core.compile import patch
+    from fluxaccel.core.quant import store
+    from fluxaccel.core.quant.fp8 import Fp8Config
+    from fluxaccel.core.quant.patch import apply_fp8
+    from support.models import lora_state_dict, with_lora
+    from support.runs import sample
+
+    a = lora_state_dict(tiny_flux, ["double_blocks.0.img_attn.qkv", "single_blocks.0.linear1"], seed=1)
+    b = lora_state_dict(tiny_flux, ["double_blocks.1.txt_mlp.0", "single_blocks.1.linear2"], seed=2)
+    cfg = CompileConfig(separate_process=False)
+    loras = {"swap": lambda m: with_lora(m, b, 0.8), "stack": lambda m: with_lora(with_lora(m, a, 1.0), b, 0.8),
+             "remove": lambda m: m}[change]
+
+    def chain(loaded):
+        return apply_compile(apply_fp8(loaded, Fp8Config())[0], cfg)
+
+    first, c_first = chain(with_lora(tiny_flux, a, 1.0))
+    out_first = sample(first, steps=2)
+    linears = fp8_state(first).store.fp8
+    pointers = {n: (m.weight.data_ptr(), m.fp8_weight_scale.data_ptr()) for n, m in linears.items()}
+    graphs = compiled_graphs()
+    then, c_then = chain(loras(tiny_flux))
+    out_then = sample(then, steps=2)
+    assert c_then.runner is c_first.runner and compiled_graphs() == graphs and c_then.stats.eager_calls == 0
+    assert {n: (m.weight.data_ptr(), m.fp8_weight_scale.data_ptr()) for n, m in linears.items()} == pointers
+    assert rel_err(out_then, out_first) > 1e-3
+    store._STORES.clear()
+    patch._COMPILED.clear()
+    fresh, _ = chain(loras(tiny_flux))
+    assert torch.equal(sample(fresh, steps=2), out_then)
+
+
+def test_kept_fp8_linears_and_compiled_models_go_with_their_loaded_model(cpu_fp8):
+    """The FP8 Linears and compiled models kept for a loaded model's later clones hold no reference to it: when
+    ComfyUI drops the model, they go too."""
+    import gc
+    import weakref
+
+    from fluxaccel.core.compile import patch
+    from fluxaccel.core.quant import store
+    from fluxaccel.core.quant.fp8 import Fp8Config
+    from fluxaccel.core.quant.patch import apply_fp8
+    from support.models import build_flux
+
+    base = build_flux("tiny")
+    model, _ = apply_compile(apply_fp8(base, Fp8Config())[0], CompileConfig(separate_process=False))
+    gone = weakref.ref(base.model)
+    assert gone() in store._STORES and gone() in patch._COMPILED
+    del base, model
+    gc.collect()
+    assert gone() is None

@@ -1,11 +1,13 @@
 """core/compile/separate.py on the CPU: a real ComfyUI FLUX (FP8 Linears) compiled in a separate Python process
 while this one runs it uncompiled; the package it writes is loaded here, nothing traced here."""
 import logging
+import weakref
+
 import pytest
 import torch
 
 from fluxaccel.core.bench.metrics import rel_err
-from fluxaccel.core.compile import separate
+from fluxaccel.core.compile import patch as compile_patch, separate
 from fluxaccel.core.compile.config import CompileConfig
 from fluxaccel.core.compile.patch import apply_compile, compiled_of
 from fluxaccel.core.cache.packages import WarmStart
@@ -71,6 +73,7 @@ def test_blocks_compile_in_a_separate_process_while_the_model_runs_uncompiled(fp
     assert torch.equal(second, denoise_once(here)) and list(c2.stats.warm_start.values()) == ["saved"]
     # a restart: the index is found, no process starts, the packages load in the first call
     monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(compile_patch, "_COMPILED", weakref.WeakKeyDictionary())  # nothing compiled in this process
     clear_compile_counters()
     restarted, c3 = apply_compile(fp8_model, cfg)
     assert torch.equal(denoise_once(restarted), second)

@@ -139,15 +139,19 @@ LORA_KEYS = ["diffusion_model.double_blocks.0.img_attn.qkv.weight", "diffusion_m
              "diffusion_model.single_blocks.0.linear1.weight", "diffusion_model.single_blocks.1.linear2.weight"]
 
 
-def _with_lora(model, strength=1.0, seed=3):
-    """A clone with ComfyUI 'diff' weight patches on four quantized Linears: what LoraLoaderModelOnly adds, as
-    ComfyUI applies it at load time (comfy.lora.calculate_weight)."""
+def _lora_patches(model, seed=3) -> dict:
+    """ComfyUI 'diff' weight patches on four quantized Linears, scaled by the weights in the live tree now."""
     sd = model.model.state_dict()  # keys as ComfyUI patches them: "diffusion_model.<...>.weight"
     g = torch.Generator().manual_seed(seed)
-    clone = model.clone()
     std = {k: (sd[k].dequantize() if is_fp8_weight(sd[k]) else sd[k]).float().std() for k in LORA_KEYS}
-    patches = {k: (torch.randn(sd[k].shape, generator=g) * std[k] * 2,) for k in LORA_KEYS}
-    clone.add_patches(patches, strength_patch=strength)
+    return {k: (torch.randn(sd[k].shape, generator=g) * std[k] * 2,) for k in LORA_KEYS}
+
+
+def _with_lora(model, strength=1.0, seed=3, patches=None):
+    """A clone with these weight patches (else _lora_patches'): what LoraLoaderModelOnly adds, as ComfyUI applies it
+    at load time (comfy.lora.calculate_weight)."""
+    clone = model.clone()
+    clone.add_patches(patches or _lora_patches(model, seed), strength_patch=strength)
     return clone
 
 
@@ -181,29 +185,61 @@ def test_lora_before_quantize_is_merged_into_fp8(cpu_fp8, tiny_flux, compiled):
     assert rel_err(out_half, half_ref) < BOUND < rel_err(out_half, lora_ref)
 
 
-def test_lora_after_quantize_is_refused_when_sampling_starts(cpu_fp8, tiny_flux):
-    """A weight patch added after Quantize FP8 on an FP8 Linear: ComfyUI's sampler refuses it before loading the model,
-    with what to do (the LoRA node itself succeeds: ComfyUI offers no hook there), instead of patching FP8 data or
-    failing inside ComfyUI's weight cast; the FP8 model keeps working, and so do patches on bf16 layers."""
+def test_lora_after_quantize_is_merged_like_a_lora_before_it(cpu_fp8, tiny_flux):
+    """A LoRA added after Quantize FP8 (weight patches on its FP8 Linears) is merged into them in place when the clone
+    loads for ComfyUI's sampler: the same image as the LoRA placed before Quantize FP8, in the same objects and
+    buffers as the plain FP8 clone's; the plain FP8 clone then runs its own weights again, and patches on bf16 layers
+    stay ComfyUI's. Outside a sampler (a direct load) the FP8 Linear refuses them, saying where to put the LoRA."""
     inputs = flux_inputs(tiny_flux.model.diffusion_model)
+    lora = _lora_patches(tiny_flux)
     q, _ = apply_fp8(tiny_flux, Fp8Config("per_row"))
-    ref = forward(q, inputs)
-    late = _with_lora(q)
-    with pytest.raises(FluxAccelError, match=r"already FP8-quantized.*\(4 patched layers.*Put LoraLoaderModelOnly .*"
-                                             r"before Quantize FP8"):
-        sample(late, steps=1)
-    assert torch.equal(forward(q, inputs), ref)
-    # patches on layers that stay bf16 (modulation) are fine, and clones of clones keep the guard
+    ref, plain = forward(q, inputs), sample(q, steps=2)
+    name = LORA_KEYS[0][len("diffusion_model."):-len(".weight")]
+    lin = swaps.get(q, f"diffusion_model.{name}")
+    ptr = lin.weight.data_ptr()
+    late = _with_lora(q, patches=lora)
+    out_late = sample(late, steps=2)
+    assert all(k in late.patches for k in LORA_KEYS)  # off the clone while it loaded, back after
+    assert swaps.get(late, f"diffusion_model.{name}") is lin and lin.weight.data_ptr() == ptr
+    before = sample(apply_fp8(_with_lora(tiny_flux, patches=lora), Fp8Config("per_row"))[0], steps=2)
+    assert torch.equal(out_late, before) and rel_err(out_late, plain) > 0.05
+    assert torch.equal(sample(q, steps=2), plain) and torch.equal(forward(q, inputs), ref)  # its own weights again
+    with pytest.raises(FluxAccelError, match="Put LoraLoaderModelOnly"):
+        forward(_with_lora(q, seed=9), inputs)
     mod_key = "diffusion_model.double_blocks.0.img_mod.lin.weight"
     w = tiny_flux.model.state_dict()[mod_key]
     ok = q.clone()
     ok.add_patches({mod_key: (torch.ones_like(w, dtype=torch.float32) * 1e-3,)})
     sample(ok, steps=1)
     assert rel_err(forward(ok, inputs), ref) > 0
-    with pytest.raises(FluxAccelError, match="already FP8-quantized"):
-        sample(_with_lora(ok), steps=1)
-    # without FP8 again (the Benchmark baseline), weight patches are accepted
+    # without FP8 again (the Benchmark baseline), weight patches are ComfyUI's as usual
     sample(_with_lora(remove_fp8(q)), steps=1)
+
+
+def test_a_lora_strength_change_merges_in_place_into_the_same_fp8_linears(cpu_fp8, tiny_flux):
+    """LoRA strength 1.0 -> 0.5 -> 1.0 before Quantize FP8: each clone's FP8 Linears are the same objects and buffers,
+    its weights are bit for bit what quantizing that clone afresh gives, and only patched Linears are merged again."""
+    from fluxaccel.core.quant import store
+
+    inputs = flux_inputs(tiny_flux.model.diffusion_model)
+    full, half = _with_lora(tiny_flux, strength=1.0), _with_lora(tiny_flux, strength=0.5)
+    q_full, _ = apply_fp8(full, Fp8Config("per_row"))
+    name = LORA_KEYS[0][len("diffusion_model."):-len(".weight")]
+    lin = swaps.get(q_full, f"diffusion_model.{name}")
+    ptrs = (lin.weight.data_ptr(), lin.fp8_weight_scale.data_ptr())
+    out_full = forward(q_full, inputs)
+    shared = fp8_state(q_full).store
+    q_half, report = apply_fp8(half, Fp8Config("per_row"))
+    assert fp8_state(q_half).store is shared and "merged in place when it samples" in report.weights_cache
+    merges = shared.merges
+    out_half = forward(q_half, inputs)
+    assert shared.merges == merges + len(LORA_KEYS)  # the four patched Linears, nothing else
+    assert swaps.get(q_half, f"diffusion_model.{name}") is lin
+    assert (lin.weight.data_ptr(), lin.fp8_weight_scale.data_ptr()) == ptrs
+    store._STORES.clear()  # the same clone quantized afresh: the reference
+    fresh = apply_fp8(half, Fp8Config("per_row"))[0]
+    assert torch.equal(forward(fresh, inputs), out_half)
+    assert torch.equal(forward(q_full, inputs), out_full)  # back to 1.0 on the first store: its own weights again
 
 
 def test_quantizes_unpatched_weights_while_another_clone_is_loaded(cpu_fp8, tiny_flux):
@@ -219,15 +255,15 @@ def test_quantizes_unpatched_weights_while_another_clone_is_loaded(cpu_fp8, tiny
 
 
 def test_merges_a_lora_from_the_stored_weights_while_another_lora_is_loaded(cpu_fp8, tiny_flux):
-    """ComfyUI's weight patching reads the live tree: where another clone's LoRA is applied there, ComfyUI's own
-    unload restores the stored weights first, so the merge starts from them (equal to merging with nothing loaded)."""
+    """Where another clone's LoRA is applied to the live tree now, the merge starts from ComfyUI's backup of the
+    stored weights (equal to merging with nothing loaded), and nothing is unloaded for it."""
     inputs = flux_inputs(tiny_flux.model.diffusion_model)
     lora = _with_lora(tiny_flux)  # (its patches are scaled by the stored weights: made before another is loaded)
     expected = forward(apply_fp8(lora, Fp8Config("per_row"))[0], inputs)
     forward(_with_lora(tiny_flux, seed=5), inputs)  # another LoRA's weights now live in the module tree
     assert tiny_flux.backup
     q, report = apply_fp8(lora, Fp8Config("per_row"))
-    assert len(report.merged_patches) == 4 and not tiny_flux.backup
+    assert len(report.merged_patches) == 4 and tiny_flux.backup
     assert torch.equal(forward(q, inputs), expected)
 
 

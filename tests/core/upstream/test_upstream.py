@@ -107,6 +107,95 @@ def test_resident_copy_names_missing(monkeypatch, tiny_flux):
     assert "model_loaded_weight_memory" in comfy_internals.patcher_model_state(tiny_flux.model)
 
 
+LORA_LINEAR = "double_blocks.0.img_attn.qkv"
+
+
+def _lora_weight(model, strength: float):
+    """(a clone of `model` with a LoRA on LORA_LINEAR as LoraLoaderModelOnly makes it, the weight's key)."""
+    from support.models import lora_state_dict, with_lora
+
+    return with_lora(model, lora_state_dict(model, [LORA_LINEAR]), strength), f"diffusion_model.{LORA_LINEAR}.weight"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_patched_weight_is_comfyuis_patch_weight_to_device(dtype):
+    """The weight with its LoRA as FluxAccel merges it equals, bit for bit, what ComfyUI's own
+    ModelPatcher.patch_weight_to_device returns for it (bf16: ComfyUI's stochastic rounding with the key's seed)."""
+    from support.models import build_flux
+
+    base = build_flux("tiny", dtype=dtype)
+    lora, key = _lora_weight(base, 0.7)
+    stored = base.model.diffusion_model.get_submodule(LORA_LINEAR).weight
+    ours = comfy_internals.patched_weight(lora.patches[key], key, stored, torch.device("cpu"))
+    theirs = lora.patch_weight_to_device(key, device_to=torch.device("cpu"), return_weight=True)
+    assert ours.dtype == theirs.dtype == dtype and torch.equal(ours, theirs)
+    assert not torch.equal(ours, stored) and not lora.backup  # the LoRA counts; the model was not patched
+
+
+@pytest.mark.parametrize("name", ["comfy.float.stochastic_rounding", "comfy.lora.calculate_weight",
+                                  "comfy.model_management.lora_compute_dtype"])
+def test_patched_weight_missing_refuses_the_fp8_merge_naming_it(monkeypatch, tiny_flux, name):
+    import importlib
+
+    from fluxaccel.core.quant import source
+
+    where, attr = name.rsplit(".", 1)
+    monkeypatch.delattr(importlib.import_module(where), attr)
+    lora, key = _lora_weight(tiny_flux, 1.0)
+    stored = tiny_flux.model.diffusion_model.get_submodule(LORA_LINEAR).weight
+    missing = comfy_internals.patched_weight(lora.patches[key], key, stored, torch.device("cpu"))
+    assert isinstance(missing, Unavailable) and attr in str(missing)
+    with pytest.raises(FluxAccelError, match="LoRAs cannot be merged into FP8 weights here. Run without Quantize FP8"):
+        source.patched(lora.patches[key], key, stored, torch.device("cpu"))
+
+
+def test_interrupt_request_and_exception_or_missing(monkeypatch, caplog):
+    """Cancel as ComfyUI's /interrupt sets it, and the exception that ends a prompt as cancelled; where this ComfyUI
+    has neither: "not available" and KeyboardInterrupt, each said."""
+    import comfy.model_management as mm
+
+    mm.interrupt_current_processing(True)
+    try:
+        assert comfy_internals.interrupt_requested() is True
+    finally:
+        mm.interrupt_current_processing(False)
+    assert comfy_internals.interrupt_requested() is False
+    assert comfy_internals.interrupt_exception() is mm.InterruptProcessingException
+    monkeypatch.delattr(mm, "processing_interrupted")
+    monkeypatch.delattr(mm, "InterruptProcessingException")
+    missing = comfy_internals.interrupt_requested()
+    assert isinstance(missing, Unavailable) and "processing_interrupted" in str(missing)
+    upstream.forget()
+    with caplog.at_level(logging.WARNING, logger="fluxaccel.upstream"):
+        assert comfy_internals.interrupt_exception() is KeyboardInterrupt
+    assert said(caplog, "InterruptProcessingException", "KeyboardInterrupt")
+
+
+def test_diffusion_model_wrappers_run_as_comfyui_runs_them_or_missing(monkeypatch):
+    """A DIFFUSION_MODEL wrapper in transformer_options is found, taken out of a copy of them, and run around the
+    inner function by ComfyUI's WrapperExecutor; without ComfyUI's lookup: "not available"."""
+    import comfy.patcher_extension as ext
+
+    order = []
+
+    def wrapper(executor, *args, **kwargs):
+        order.append("wrapper")
+        return executor(*args, **kwargs) + 1
+
+    options = {"wrappers": {ext.WrappersMP.DIFFUSION_MODEL: {"easycache": [wrapper]}, "other": {"x": [print]}}}
+    found = comfy_internals.diffusion_model_wrappers(options)
+    assert found == [wrapper]
+    rest = comfy_internals.without_diffusion_model_wrappers(options)
+    assert rest["wrappers"] == {"other": {"x": [print]}} and ext.WrappersMP.DIFFUSION_MODEL in options["wrappers"]
+    assert comfy_internals.diffusion_model_wrappers(rest) == []
+    inner = lambda x, scale=1: order.append("inner") or x * scale  # noqa: E731
+    assert comfy_internals.run_wrapped(inner, object(), found, (3,), {"scale": 2}) == 7
+    assert order == ["wrapper", "inner"]
+    monkeypatch.delattr(ext, "get_all_wrappers")
+    missing = comfy_internals.diffusion_model_wrappers(options)
+    assert isinstance(missing, Unavailable) and "get_all_wrappers" in str(missing)
+
+
 def test_source_file_missing(tiny_file_model):
     """A patcher without cached_patcher_init (a ComfyUI before it, or a custom patcher): no file to key the FP8
     weights cache by, said as such."""
