@@ -5,6 +5,7 @@
 # and call:  bash bench/device.sh --case dev-1024-28 [--suite core] [more tools/bench.py args]
 #        or:  bash bench/device.sh --reliability   (tools/reliability.py: interrupt, /free, 50 prompts on the GPU)
 #        or:  bash bench/device.sh --first-prompts --case klein9b-1024-4   (tools/first_prompts.py)
+#        or:  bash bench/device.sh --changes --sequence lora --case dev-1024-28   (tools/changes.py)
 # Results land in $OUT/results (the run's JSON only: at most 8 files come back from a call), the ComfyUI log in $OUT;
 # the per-node tables and charts stay on the machine in /tmp/fluxaccel-results. Several cases in one call: --cases
 # "a b" (each with the same other arguments).
@@ -20,6 +21,10 @@ mkdir -p "$OUT/results"
 if [ "${1:-}" = "--reliability" ]; then  # the GPU reliability cases instead of a benchmark
   shift
   exec python3 tools/reliability.py "$@" --out "$OUT/results" --models-dir /tmp/fluxaccel-models
+fi
+if [ "${1:-}" = "--changes" ]; then  # tools/changes.py: prompts through LoRA or resolution changes
+  shift
+  exec python3 tools/changes.py "$@" --out "$OUT/results" --models-dir /tmp/fluxaccel-models
 fi
 if [ "${1:-}" = "--first-prompts" ]; then  # tools/first_prompts.py: each configuration's first and second prompt
   shift

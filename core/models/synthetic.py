@@ -197,6 +197,32 @@ def write_flux_file(path: str | os.PathLike, shape: str | dict = "e2e", seed: in
     return path
 
 
+def block_linears(shape: str | dict) -> list[str]:
+    """The names (relative to the diffusion model) of every Linear in the architecture's blocks."""
+    return [n for n, m in _meta_model(shape).named_modules()
+            if isinstance(m, torch.nn.Linear) and n.startswith(("double_blocks.", "single_blocks."))]
+
+
+def write_lora_file(path: str | os.PathLike, shape: str | dict, rank: int = 16, seed: int = 7,
+                    targets: list[str] | None = None) -> Path:
+    """Write a random rank-`rank` LoRA in ComfyUI's generic format (diffusion_model.<layer>.lora_up/lora_down, bf16)
+    on `targets` (default: every block Linear) of a random-weight FLUX of `shape`: up @ down has entries of about a
+    tenth of init_random_'s weights. Written once: an existing file is kept."""
+    path = Path(path)
+    if path.exists():
+        return path
+    meta, g, sd = _meta_model(shape), torch.Generator().manual_seed(seed), {}
+    for name in targets or block_linears(shape):
+        out_f, in_f = meta.get_submodule(name).weight.shape
+        s = (0.1 / math.sqrt(in_f) / math.sqrt(rank)) ** 0.5
+        sd[f"diffusion_model.{name}.lora_up.weight"] = (torch.randn(out_f, rank, generator=g) * s).bfloat16()
+        sd[f"diffusion_model.{name}.lora_down.weight"] = (torch.randn(rank, in_f, generator=g) * s).bfloat16()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_atomic(sd, path, metadata={"fluxaccel": f"random LoRA rank={rank} shape={shape} seed={seed}"})
+    log.info("wrote a random rank-%d LoRA on %d Linears to %s", rank, len(sd) // 2, path)
+    return path
+
+
 def _conditioning(context_dim: int, vec_dim: int, text_len: int, batch: int, guidance: float, seed: int):
     g = torch.Generator().manual_seed(seed)
     context = torch.randn(batch, text_len, context_dim, generator=g)

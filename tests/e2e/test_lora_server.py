@@ -1,6 +1,6 @@
 """LoRA and FluxAccel in a real ComfyUI server (LoraLoaderModelOnly with a LoRA file): before Quantize FP8 it is
 merged into the FP8 weights and matches the eager LoRA'd model within FP8 tolerance; its strength takes effect;
-after Quantize FP8 it is refused with a clear error, and the server keeps working."""
+after Quantize FP8 it is merged the same way."""
 import pytest
 import torch
 
