@@ -35,7 +35,7 @@ register()
 from tools import host  # noqa: E402
 from tools.bench import CASES, server_start  # noqa: E402
 from tools.comfy_server import ComfyServer  # noqa: E402
-from tools.first_prompts import CONFIGS, execution_seconds, prompt_for  # noqa: E402
+from tools.first_prompts import CONFIGS, execution_seconds, machine_and_case, prompt_for  # noqa: E402
 
 log = logging.getLogger("fluxaccel.changes")
 
@@ -96,10 +96,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="[fluxaccel] %(message)s")
     import torch
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    case_name = a.case or ("dev-1024-28" if gpu else "tiny-cpu")
-    case = CASES[case_name]
-    comfy_dir = host.import_comfy(host.ensure_host())
+    gpu, case_name, case, comfy_dir = machine_and_case(a.case)
     from fluxaccel.core.models.synthetic import SHAPES, write_flux_file, write_lora_file
 
     models = Path(a.models_dir)

@@ -112,6 +112,16 @@ def node_text(hist: dict, node: str) -> str | None:
     return "\n".join(map(str, text)) if text else None
 
 
+def machine_and_case(case_name: str | None) -> tuple:
+    """(the GPU's name or None, the case's name, the case, ComfyUI's folder): the case dev-1024-28 on a GPU and
+    tiny-cpu without, unless one is named."""
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    case_name = case_name or ("dev-1024-28" if gpu else "tiny-cpu")
+    return gpu, case_name, CASES[case_name], host.import_comfy(host.ensure_host())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", choices=sorted(CASES), default=None, help="default: dev-1024-28 on a GPU, tiny-cpu without")
@@ -131,10 +141,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="[fluxaccel] %(message)s")
     import torch
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    case_name = a.case or ("dev-1024-28" if gpu else "tiny-cpu")
-    case = CASES[case_name]
-    comfy_dir = host.import_comfy(host.ensure_host())
+    gpu, case_name, case, comfy_dir = machine_and_case(a.case)
     from fluxaccel.core.models.synthetic import SHAPES, write_flux_file
 
     unet_dir = Path(a.models_dir) / "diffusion_models"
