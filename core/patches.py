@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .compile.patch import compiled_of, remove_compile
+from .parallel.patch import remove_parallel
 from .quant.patch import fp8_state, remove_fp8
 from .upstream import degradations
 
@@ -74,4 +75,4 @@ def describe(model) -> dict:
 
 def strip(model):
     """The same model with every FluxAccel patch removed (the Benchmark's default baseline)."""
-    return remove_fp8(remove_compile(model))
+    return remove_fp8(remove_compile(remove_parallel(model)))

@@ -53,7 +53,7 @@ def _run(block: bool) -> str:
     return p.stdout
 
 
-EXPECTED_NODES = "['FluxAccelBenchmark', 'FluxAccelCompile', 'FluxAccelQuantizeFP8', 'FluxAccelSyntheticConditioning', 'FluxAccelWarmup']"
+EXPECTED_NODES = "['FluxAccelBenchmark', 'FluxAccelCompile', 'FluxAccelParallel', 'FluxAccelQuantizeFP8', 'FluxAccelSyntheticConditioning', 'FluxAccelWarmup']"
 
 
 def test_loads_as_comfyui_custom_node():

@@ -16,6 +16,7 @@ export const FLUXACCEL_NODE_IDS = [
   "FluxAccelCompile",
   "FluxAccelWarmup",
   "FluxAccelBenchmark",
+  "FluxAccelParallel",
   "FluxAccelSyntheticConditioning",
 ];
 const COMPILE = "FluxAccelCompile";

@@ -17,6 +17,7 @@ from ..errors import FluxAccelError
 from ..models import swaps
 from ..models.flux import FluxModel, on_load_callback_type
 from ..models.loaded import compiled_elsewhere
+from ..parallel.config import PARALLEL_KEY
 from ..quant.patch import fp8_state
 from ..upstream import Unavailable, comfy_internals, torch_internals
 from . import fp8_attention, mod_table, single_block
@@ -93,6 +94,9 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
             f"FluxAccel compiles each FLUX block itself and captures the whole model call, which cannot run another "
             f"node's compiled or captured blocks inside it: remove the other node, or load the model again for "
             f"FluxAccel.")
+    if flux.model.get_attachment(PARALLEL_KEY) is not None:
+        raise FluxAccelError(f"{node}: this model runs across GPUs (Parallel), whose workers run ComfyUI's FLUX "
+                             f"forward uncompiled. Remove Compile + CUDA Graph, or the Parallel node.")
     why_fp8 = fp8_attention.why_not(device) if cfg.attention == "fp8" else ""
     if why_fp8:
         raise FluxAccelError(f"{node}: attention 'fp8' cannot run here: {why_fp8}. Set attention to 'cudnn'.")

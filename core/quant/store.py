@@ -53,6 +53,7 @@ class Fp8Store:
     compute_dtype: object = None
     held: dict[str, list] = field(default_factory=dict)
     merges: int = 0  # Linears merged again so far (the stats)
+    generations: dict[str, int] = field(default_factory=dict)  # per Linear, how often merged again (a write in place)
 
     @property
     def fp8(self) -> dict[str, torch.nn.Module]:
@@ -98,6 +99,7 @@ class Fp8Store:
                 q.bias.copy_(new.bias.to(q.bias.device, q.bias.dtype))
         for key, plist in patches.items():
             self.held[key] = list(plist or ())
+        self.generations[name] = self.generations.get(name, 0) + 1
 
 
 def for_clone(flux, linears: Linears, cfg: Fp8Config) -> tuple[Fp8Store, Fp8Report, Kept]:

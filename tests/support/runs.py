@@ -56,11 +56,11 @@ def sample(model, seed=0, steps=2, cfg=1.0, sampler="euler", hw=16, text_len=16,
     return comfy.sample.sample(model, noise, steps, cfg, sampler, "simple", pos, neg, latent, disable_pbar=True, seed=seed)
 
 
-def denoise_once(model, hw=16, text_len=16, refs=(), transformer_options=None):
+def denoise_once(model, hw=16, text_len=16, refs=(), transformer_options=None, w=None):
     """One apply_model call (the denoiser forward) through ComfyUI's BaseModel, compile wrapper included; the
     conditioning's widths and the latent's channels are read off the model (any FLUX architecture, tiny or full
     width). refs: latent (H, W) of reference latents to pass (FLUX.1 Kontext, FLUX.2 editing); transformer_options:
-    the call's (e.g. a block-region table)."""
+    the call's (e.g. a block-region table); w: the latent's width where it differs from its height (hw)."""
     import comfy.model_management as mm
     from comfy.patcher_extension import WrapperExecutor, WrappersMP, get_all_wrappers
 
@@ -70,7 +70,7 @@ def denoise_once(model, hw=16, text_len=16, refs=(), transformer_options=None):
     g = torch.Generator().manual_seed(3)
     bm = model.model
     ch = bm.latent_format.latent_channels
-    x = torch.randn(1, ch, hw, hw, generator=g)
+    x = torch.randn(1, ch, hw, w or hw, generator=g)
     pos = synthetic_conditioning_for(model.model.diffusion_model, text_len)
     ctx, extra = pos[0]
     conds = bm.extra_conds(noise=x, device=x.device, cross_attn=ctx, pooled_output=extra["pooled_output"],

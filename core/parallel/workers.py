@@ -1,0 +1,235 @@
+"""The sequence-parallel workers of one model, seen from ComfyUI's process: started once (one process per GPU, or
+per slot on a CPU), given the model's skeleton and weights, then each model call; a worker's death, an error in it,
+or a worker that does not answer ends the call with a message, and the next call starts them again.
+
+ComfyUI keeps its sampler, its patches and LoRA handling: the workers get the weights as ComfyUI loaded them for
+this clone (LoRAs merged), and afterwards only the tensors that changed (another LoRA strength). They talk to this
+process over multiprocessing.connection (pickled), and to each other through torch.distributed (gloo on a CPU,
+NCCL on GPUs), where yunchang's all-to-all gathers attention (sequence.py).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from multiprocessing.connection import Listener
+from pathlib import Path
+
+import torch
+
+from ..compile import skeleton
+from ..errors import FluxAccelError
+from ..upstream import Unavailable, comfy_internals, say, torch_internals
+from .config import ParallelConfig
+from .wire import recv, send
+
+log = logging.getLogger("fluxaccel.parallel")
+
+PACKAGE = __name__.rsplit(".core.", 1)[0]  # the name this plugin's package is imported under (ComfyUI: its folder)
+WORKER = Path(__file__).with_name("worker.py")
+
+
+class WorkerDied(FluxAccelError):
+    """A worker process ended or failed; the message says which and how."""
+
+
+class Workers:
+    """N worker processes for one diffusion model. `devices`: one torch device name per worker."""
+
+    def __init__(self, cfg: ParallelConfig, devices: list[str], node: str):
+        self.cfg, self.devices, self.node = cfg, devices, node
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list = []
+        weakref.finalize(self, _end, self.procs, self.conns)  # the workers end with the model they serve
+        self.sent: dict[str, tuple] = {}  # weight name -> its (tensor identity, version) when last sent
+        self.starts = self.calls = 0
+        self.work: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def running(self) -> bool:
+        return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+    def start(self, dm: torch.nn.Module, marker, tell=log.info) -> None:
+        """Start the workers and give them the model (its skeleton, then every weight; `marker` as ready takes it)."""
+        self.stop()
+        t0 = time.perf_counter()
+        blob, _ = skeleton.dumps(dm)
+        flags = comfy_internals.launch_args()
+        if isinstance(flags, Unavailable):
+            raise FluxAccelError(f"{self.node}: cannot start the workers: {flags} (they need ComfyUI's launch flags)")
+        self.work = tempfile.TemporaryDirectory(prefix="fluxaccel-parallel-")
+        work = Path(self.work.name)
+        authkey = secrets.token_bytes(16)
+        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        tell(f"starting {len(self.devices)} workers ({', '.join(self.devices)})")
+        try:
+            for rank, device in enumerate(self.devices):
+                job = work / f"job{rank}"
+                job.write_bytes(pickle.dumps({
+                    "rank": rank, "world": len(self.devices), "device": device, "address": listener.address,
+                    "authkey": authkey.hex(), "init_method": f"file://{work / 'group'}", "timeout_s": self.cfg.timeout_s,
+                    "sys_path": list(sys.path), "package": PACKAGE, "package_dir": str(Path(__file__).resolve().parents[2]),
+                    "parent": os.getpid(), "flags": pickle.dumps(flags)}))  # read once the path is set
+                with open(work / f"worker{rank}.log", "wb") as out:
+                    self.procs.append(subprocess.Popen([sys.executable, str(WORKER), str(job)], stdout=out,
+                                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                       cwd=os.getcwd(), env=self._env()))
+            self.conns[:] = self._connections(listener)
+        finally:
+            listener.close()
+        self._all(("model", blob, self._changed(dm, marker)), "taking the model")
+        self.starts += 1
+        tell(f"{len(self.devices)} workers ready in {time.perf_counter() - t0:.1f} s")
+
+    def _env(self) -> dict:
+        env = dict(os.environ)
+        if all(d == "cpu" for d in self.devices):  # workers share the CPU's cores
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(self.devices))))
+        return env
+
+    def _connections(self, listener: Listener) -> list:
+        """Each worker's connection, by rank; a worker that exits before connecting ends the start with its log."""
+        got: queue.Queue = queue.Queue()
+
+        def accept():
+            try:
+                for _ in self.devices:
+                    conn = listener.accept()
+                    got.put((recv(conn)[1], conn))
+            except OSError:  # the listener closed: the start failed
+                pass
+
+        threading.Thread(target=accept, name="fluxaccel-parallel-accept", daemon=True).start()
+        conns, deadline = [None] * len(self.devices), time.monotonic() + self.cfg.timeout_s
+        while None in conns:
+            self._check_alive("starting")
+            if time.monotonic() > deadline:
+                tail = self._log_tail()
+                self.stop()
+                raise WorkerDied(f"{self.node}: the workers did not start within {self.cfg.timeout_s:.0f} s{tail}")
+            try:
+                rank, conn = got.get(timeout=0.2)
+                conns[rank] = conn
+            except queue.Empty:
+                pass
+        return conns
+
+    def ready(self, dm: torch.nn.Module, marker, tell=log.info) -> int:
+        """Make the workers ready for a call of `dm`: started with the model where none runs; else given the weights
+        that changed since the last call (ComfyUI patched another LoRA strength in). Returns how many weights were
+        sent. A worker that died since the last call is reported (WorkerDied); the next call starts them again.
+        `marker(name)`: what tells an in-place change of a weight whose writes cannot be counted."""
+        if not self.procs:
+            self.start(dm, marker, tell)
+            return 0
+        self._check_alive("waiting for the next model call")
+        changed = self._changed(dm, marker)
+        if changed:
+            self._all(("weights", changed), "taking changed weights")
+        return len(changed)
+
+    def _changed(self, dm: torch.nn.Module, marker) -> dict:
+        """The weights (state_dict names, CPU copies) whose tensor or contents changed since they were last sent:
+        another tensor (ComfyUI patches a weight by replacing it), or an in-place write (counted by the tensor's
+        version, or told by `marker`)."""
+        out = {}
+        for name, t in dm.state_dict(keep_vars=True).items():
+            version = torch_internals.tensor_version(t)
+            if isinstance(version, Unavailable):
+                say(version, "a weight written in place reaches the parallel workers only where FluxAccel wrote it")
+            mark = (id(t), t.data_ptr(), version if isinstance(version, int) else marker(name))
+            if self.sent.get(name) != mark:
+                out[name] = t.detach().cpu()
+                self.sent[name] = mark
+        return out
+
+    def call(self, inputs: dict, cancelled) -> torch.Tensor:
+        """Run one model call on every worker; rank 0's output. `cancelled()`: Cancel pressed (the call in flight
+        ends first, then the prompt)."""
+        self.calls += 1
+        return self._all(("call", inputs), "running a model call", cancelled)[0]
+
+    def _all(self, msg: tuple, doing: str, cancelled=None) -> list:
+        """Send `msg` to every worker and wait for every answer; a failure stops all of them and says why."""
+        try:
+            for conn in self.conns:
+                send(conn, msg)
+            answers = [self._answer(rank, conn, doing) for rank, conn in enumerate(self.conns)]
+        except (OSError, EOFError) as e:  # a worker's connection broke: which one exited, where that shows
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
+                time.sleep(0.05)
+            self._check_alive(doing)
+            tail = self._log_tail()
+            self.stop()
+            raise WorkerDied(f"{self.node}: a worker was lost while {doing} ({type(e).__name__}: {e}){tail}; the "
+                             f"next prompt starts the workers again") from None
+        errors = [(rank, text) for kind, rank, text in answers if kind == "error"]
+        if errors:
+            rank, text = errors[0]
+            self.stop()
+            raise WorkerDied(f"{self.node}: worker {rank} failed while {doing}: {text.strip().splitlines()[-1]}; the "
+                             f"next prompt starts the workers again")
+        if cancelled is not None and cancelled():
+            raise comfy_internals.interrupt_exception()("cancelled")
+        return [out for _, _, out in answers]
+
+    def _answer(self, rank: int, conn, doing: str):
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while not conn.poll(0.2):
+            self._check_alive(doing)
+            if time.monotonic() > deadline:
+                self.stop()
+                raise WorkerDied(f"{self.node}: worker {rank} did not answer within {self.cfg.timeout_s:.0f} s while "
+                                 f"{doing}; the next prompt starts the workers again")
+        return recv(conn)
+
+    def _check_alive(self, doing: str) -> None:
+        dead = [(rank, p.returncode) for rank, p in enumerate(self.procs) if p.poll() is not None]
+        if dead:
+            rank, code = dead[0]
+            tail = self._log_tail(rank) if code is None or code >= 0 else f" (ended by signal {-code})"
+            self.stop()
+            raise WorkerDied(f"{self.node}: worker {rank} ({self.devices[rank]}) exited with code {code} while "
+                             f"{doing}{tail}; the next prompt starts the workers again")
+
+    def _log_tail(self, rank: int = 0) -> str:
+        try:
+            lines = (Path(self.work.name) / f"worker{rank}.log").read_text(errors="replace").strip().splitlines()
+        except (OSError, AttributeError):
+            return ""
+        return f" (its log: {lines[-1][:300]})" if lines else ""
+
+    def stop(self) -> None:
+        """End every worker (a stop message, then kill what still runs)."""
+        _end(self.procs, self.conns)
+        self.sent.clear()
+        if self.work is not None:
+            self.work.cleanup()
+            self.work = None
+
+
+def _end(procs: list, conns: list) -> None:
+    """Stop these workers and empty both lists (also when their Workers object is collected: weakref.finalize)."""
+    for conn in conns:
+        try:
+            send(conn, ("stop",))
+            conn.close()
+        except OSError:
+            pass
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    procs.clear()
+    conns.clear()

@@ -1,0 +1,137 @@
+"""Sequence parallelism on the CPU: two worker processes joined by torch.distributed's gloo backend, tiny FLUX.1 and
+FLUX.2 from ComfyUI's own classes in float32. The parallel model call equals the single-process one, for token
+counts that split evenly over the workers and for ones that do not; LoRAs and reference latents apply; a killed
+worker gives a clear error and the next call starts the workers again."""
+import os
+import signal
+
+import pytest
+import torch
+
+from fluxaccel.core.bench.metrics import rel_err
+from fluxaccel.core.errors import FluxAccelError
+from fluxaccel.core.parallel.config import ParallelConfig
+from fluxaccel.core.parallel.patch import apply_parallel
+from fluxaccel.core.parallel.workers import WorkerDied
+from support.models import build_flux
+from support.runs import denoise_once
+from support.shapes import TINY, TINY_FLUX2
+
+TOL = 1e-5  # float32: the same arithmetic, attention summed in another order
+
+
+@pytest.fixture
+def parallel():
+    """apply_parallel(model) with 2 workers; every worker stopped at the end."""
+    made = []
+
+    def make(model, gpus=2):
+        clone, p = apply_parallel(model, ParallelConfig(gpus=gpus, timeout_s=120))
+        made.append(p)
+        return clone, p
+
+    yield make
+    for p in made:
+        p.workers.stop()
+
+
+@pytest.mark.parametrize("shape, sizes", [
+    (TINY, ((16, None, 16), (14, 18, 7), (10, 16, 16))),  # 64 image tokens (2x2 patches), 63, 40; text 16 and 7
+    (TINY_FLUX2, ((8, None, 16), (7, 9, 7)))])  # 64 image tokens (1x1 patches), 63; text 16 and 7
+def test_the_parallel_call_equals_the_single_process_call(parallel, shape, sizes):
+    """Token counts that split evenly over the two workers and ones that do not: the same output as the model in
+    this process, to float32 rounding."""
+    base = build_flux(shape, dtype=torch.float32)
+    model, p = parallel(base)
+    for hw, w, text in sizes:
+        ref = denoise_once(base, hw=hw, w=w, text_len=text)
+        out = denoise_once(model, hw=hw, w=w, text_len=text)
+        assert out.shape == ref.shape and rel_err(out, ref) < TOL, (hw, w, text, rel_err(out, ref))
+    assert p.stats["calls"] == len(sizes) and p.stats["worker_starts"] == 1
+
+
+def test_loras_apply_and_a_strength_change_sends_only_what_it_patched(parallel):
+    """LoraLoaderModelOnly's clones (ComfyUI's own LoRA loading) at two strengths, each through the Parallel node:
+    each equals its LoRA'd model in this process; the second reuses the first's workers and sends them only the
+    weights the LoRA patches."""
+    from support.models import lora_state_dict, with_lora
+
+    base = build_flux("tiny", dtype=torch.float32)
+    targets = ["double_blocks.0.img_attn.qkv", "single_blocks.1.linear2"]
+    sd = lora_state_dict(base, targets)
+    outs = []
+    for strength in (1.0, 0.5):
+        lora = with_lora(base, sd, strength)
+        model, p = parallel(lora)
+        ref = denoise_once(lora, hw=14, w=18)
+        out = denoise_once(model, hw=14, w=18)
+        assert rel_err(out, ref) < TOL
+        outs.append((out, p))
+    (first, p1), (second, p2) = outs
+    assert p2.workers is p1.workers and p1.workers.starts == 1 and rel_err(second, first) > 1e-3
+    assert p2.stats["weights_sent"] == len(targets)  # the two patched weights, nothing else
+
+
+@pytest.mark.parametrize("shape, refs", [(TINY, ((8, 12),)), (TINY_FLUX2, ((6, 5),))])
+def test_reference_latents_apply(parallel, shape, refs):
+    """A reference image's latent (FLUX.1 Kontext, FLUX.2 editing): its tokens are split with the image's, and the
+    output equals the single-process one."""
+    base = build_flux(shape, dtype=torch.float32)
+    model, _ = parallel(base)
+    ref = denoise_once(base, hw=10, w=14, refs=refs)
+    out = denoise_once(model, hw=10, w=14, refs=refs)
+    assert rel_err(out, ref) < TOL and rel_err(ref, denoise_once(base, hw=10, w=14)) > 1e-3
+
+
+def test_a_killed_worker_gives_a_clear_error_and_the_next_call_starts_them_again(parallel):
+    base = build_flux("tiny", dtype=torch.float32)
+    model, p = parallel(base)
+    ref = denoise_once(base)
+    assert rel_err(denoise_once(model), ref) < TOL
+    victim = p.workers.procs[1]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
+    with pytest.raises(WorkerDied, match=r"worker 1 \(cpu\) exited with code -9 .*the next prompt starts the "
+                                         r"workers again"):
+        denoise_once(model)
+    assert not p.workers.procs  # every worker stopped
+    assert rel_err(denoise_once(model), ref) < TOL and p.workers.starts == 2
+
+
+def test_what_cannot_run_across_gpus_is_refused_by_name(parallel):
+    """ControlNet residuals and other nodes' block patches index the whole sequence; a model with heads that do not
+    split over the workers cannot run: each refused with what to do, before any worker starts."""
+    base = build_flux("tiny", dtype=torch.float32)
+    model, p = parallel(base)
+    x = torch.zeros(1, 16, 8, 8)
+    with pytest.raises(FluxAccelError, match="ControlNet is not supported across GPUs.*Remove the ControlNet"):
+        p._call({"x": x, "timestep": torch.ones(1), "control": {"input": [x]}})
+    replace = {"patches_replace": {"dit": {("double_block", 0): print}}}
+    with pytest.raises(FluxAccelError, match=r"block replacements \(dit\) cannot run across GPUs"):
+        p._call({"x": x, "timestep": torch.ones(1), "transformer_options": replace})
+    assert not p.workers.running and p.workers.starts == 0
+    with pytest.raises(FluxAccelError, match="2 attention heads do not split over 4 GPUs. Set gpus to a divisor of 2"):
+        parallel(base, gpus=4)
+
+
+def test_the_benchmark_baseline_runs_in_this_process_and_compile_refuses_a_parallel_model(parallel):
+    from fluxaccel.core.compile.config import CompileConfig
+    from fluxaccel.core.compile.patch import apply_compile
+    from fluxaccel.core.patches import strip
+
+    base = build_flux("tiny", dtype=torch.float32)
+    model, p = parallel(base)
+    baseline = strip(model)
+    assert torch.equal(denoise_once(baseline), denoise_once(base)) and p.workers.starts == 0
+    with pytest.raises(FluxAccelError, match=r"runs across GPUs \(Parallel\).*Remove Compile \+ CUDA Graph, or the "
+                                             r"Parallel node"):
+        apply_compile(model, CompileConfig(separate_process=False))
+
+
+def test_without_yunchang_the_node_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "yunchang" else real(name, *a))
+    with pytest.raises(FluxAccelError, match=r"needs yunchang .*pip install 'yunchang>=0.6'"):
+        apply_parallel(build_flux("tiny", dtype=torch.float32), ParallelConfig())
