@@ -16,8 +16,7 @@ from ..env import require_torch
 from ..errors import FluxAccelError
 from ..models import swaps
 from ..models.flux import FluxModel, on_load_callback_type
-from ..models.loaded import compiled_elsewhere
-from ..parallel.config import PARALLEL_KEY
+from ..models.loaded import PARALLEL_KEY, compiled_elsewhere
 from ..quant.patch import fp8_state
 from ..upstream import Unavailable, comfy_internals, torch_internals
 from . import fp8_attention, mod_table, single_block

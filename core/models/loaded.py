@@ -21,6 +21,7 @@ from . import swaps
 from .resident import is_dynamic, resident  # noqa: F401 -- the resident model, re-exported for the patches
 
 _OURS = ("fluxaccel",)
+PARALLEL_KEY = "fluxaccel.parallel"  # the Parallel node's ModelPatcher attachment and wrapper key (core/parallel)
 
 
 def compiled_elsewhere(model) -> list[str]:

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 from ..errors import FluxAccelError
 from ..inputs import node_field, node_inputs
-
-PARALLEL_KEY = "fluxaccel.parallel"  # the ModelPatcher attachment and wrapper key of the Parallel node's clone
+from ..models.loaded import PARALLEL_KEY  # noqa: F401 -- the Parallel node's key, where every package can read it
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,41 @@ class WorkerDied(FluxAccelError):
     """A worker process ended or failed; the message says which and how."""
 
 
+def launch(devices: list[str], job: dict, work: Path) -> list[subprocess.Popen]:
+    """One worker process per device, each given `job` with its rank and device (a job file in `work`, its log
+    beside it); workers on the CPU share its cores."""
+    env = dict(os.environ)
+    if all(d == "cpu" for d in devices):
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(devices))))
+    procs = []
+    for rank, device in enumerate(devices):
+        path = work / f"job{rank}"
+        path.write_bytes(pickle.dumps({**job, "rank": rank, "device": device, "sys_path": list(sys.path),
+                                       "package": PACKAGE, "package_dir": str(Path(__file__).resolve().parents[2]),
+                                       "parent": os.getpid()}))
+        with open(work / f"worker{rank}.log", "wb") as out:
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), str(path)], stdout=out,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd(),
+                                          env=env))
+    return procs
+
+
+def changed_weights(dm: torch.nn.Module, sent: dict, marker) -> dict:
+    """The weights (state_dict names, CPU copies) whose tensor or contents changed since they were last sent (`sent`:
+    name -> mark, updated): another tensor (ComfyUI patches a weight by replacing it), or an in-place write (counted
+    by the tensor's version, or told by `marker(name)`)."""
+    out = {}
+    for name, t in dm.state_dict(keep_vars=True).items():
+        version = torch_internals.tensor_version(t)
+        if isinstance(version, Unavailable):
+            say(version, "a weight written in place reaches the parallel workers only where FluxAccel wrote it")
+        mark = (id(t), t.data_ptr(), version if isinstance(version, int) else marker(name))
+        if sent.get(name) != mark:
+            out[name] = t.detach().cpu()
+            sent[name] = mark
+    return out
+
+
 class Workers:
     """N worker processes for one diffusion model. `devices`: one torch device name per worker."""
 
@@ -71,29 +106,16 @@ class Workers:
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         tell(f"starting {len(self.devices)} workers ({', '.join(self.devices)})")
         try:
-            for rank, device in enumerate(self.devices):
-                job = work / f"job{rank}"
-                job.write_bytes(pickle.dumps({
-                    "rank": rank, "world": len(self.devices), "device": device, "address": listener.address,
-                    "authkey": authkey.hex(), "init_method": f"file://{work / 'group'}", "timeout_s": self.cfg.timeout_s,
-                    "sys_path": list(sys.path), "package": PACKAGE, "package_dir": str(Path(__file__).resolve().parents[2]),
-                    "parent": os.getpid(), "flags": pickle.dumps(flags)}))  # read once the path is set
-                with open(work / f"worker{rank}.log", "wb") as out:
-                    self.procs.append(subprocess.Popen([sys.executable, str(WORKER), str(job)], stdout=out,
-                                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                       cwd=os.getcwd(), env=self._env()))
+            job = {"world": len(self.devices), "address": listener.address, "authkey": authkey.hex(),
+                   "init_method": f"file://{work / 'group'}", "timeout_s": self.cfg.timeout_s,
+                   "flags": pickle.dumps(flags)}  # (the flags read once the worker's import path is set)
+            self.procs.extend(launch(self.devices, job, work))
             self.conns[:] = self._connections(listener)
         finally:
             listener.close()
-        self._all(("model", blob, self._changed(dm, marker)), "taking the model")
+        self._all(("model", blob, changed_weights(dm, self.sent, marker)), "taking the model")
         self.starts += 1
         tell(f"{len(self.devices)} workers ready in {time.perf_counter() - t0:.1f} s")
-
-    def _env(self) -> dict:
-        env = dict(os.environ)
-        if all(d == "cpu" for d in self.devices):  # workers share the CPU's cores
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(self.devices))))
-        return env
 
     def _connections(self, listener: Listener) -> list:
         """Each worker's connection, by rank; a worker that exits before connecting ends the start with its log."""
@@ -131,25 +153,10 @@ class Workers:
             self.start(dm, marker, tell)
             return 0
         self._check_alive("waiting for the next model call")
-        changed = self._changed(dm, marker)
+        changed = changed_weights(dm, self.sent, marker)
         if changed:
             self._all(("weights", changed), "taking changed weights")
         return len(changed)
-
-    def _changed(self, dm: torch.nn.Module, marker) -> dict:
-        """The weights (state_dict names, CPU copies) whose tensor or contents changed since they were last sent:
-        another tensor (ComfyUI patches a weight by replacing it), or an in-place write (counted by the tensor's
-        version, or told by `marker`)."""
-        out = {}
-        for name, t in dm.state_dict(keep_vars=True).items():
-            version = torch_internals.tensor_version(t)
-            if isinstance(version, Unavailable):
-                say(version, "a weight written in place reaches the parallel workers only where FluxAccel wrote it")
-            mark = (id(t), t.data_ptr(), version if isinstance(version, int) else marker(name))
-            if self.sent.get(name) != mark:
-                out[name] = t.detach().cpu()
-                self.sent[name] = mark
-        return out
 
     def call(self, inputs: dict, cancelled) -> torch.Tensor:
         """Run one model call on every worker; rank 0's output. `cancelled()`: Cancel pressed (the call in flight

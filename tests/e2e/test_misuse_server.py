@@ -48,6 +48,7 @@ def _check_server_still_works(server, seed=11):
 OUR_NODES = {
     "FluxAccelQuantizeFP8": {"granularity": "per_row", "scope": "blocks"},
     "FluxAccelCompile": {"resolution_policy": "strict"},
+    "FluxAccelParallel": {"gpus": 2},
     "FluxAccelWarmup": {"resolutions": "64x64", "batch_size": 1, "text_length": 16, "cfg": 1.0, "steps": 1},
     "FluxAccelBenchmark": {"text_length": 16, "width": 64, "height": 64, "steps": 1, "runs": 1, "seed": 0, "cfg": 1.0,
                            "sampler_name": "euler", "scheduler": "simple", "label": ""},

@@ -59,8 +59,8 @@ def server_with_old_torch(e2e_model_file):
     srv.stop()
 
 
-OURS = ["FluxAccelBenchmark", "FluxAccelCompile", "FluxAccelQuantizeFP8", "FluxAccelSyntheticConditioning",
-        "FluxAccelWarmup"]
+OURS = ["FluxAccelBenchmark", "FluxAccelCompile", "FluxAccelParallel", "FluxAccelQuantizeFP8",
+        "FluxAccelSyntheticConditioning", "FluxAccelWarmup"]
 
 
 def test_starts_lists_nodes_and_explains(server_without_torchao):

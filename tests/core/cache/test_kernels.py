@@ -194,7 +194,12 @@ def test_cache_key_names_the_persistent_reduction_limits(tiny_flux, monkeypatch)
     from fluxaccel.core.compile.config import CompileConfig
     from fluxaccel.core.compile.patch import apply_compile
 
+    import weakref
+
+    from fluxaccel.core.compile import patch
+
     cfg = CompileConfig(separate_process=False)
     before = apply_compile(tiny_flux, cfg)[1].cache.key
     monkeypatch.setattr(reductions, "KEY", "persistent=2048/1024")
+    monkeypatch.setattr(patch, "_COMPILED", weakref.WeakKeyDictionary())  # another process: nothing compiled yet
     assert apply_compile(tiny_flux, cfg)[1].cache.key != before
