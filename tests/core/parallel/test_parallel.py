@@ -135,3 +135,21 @@ def test_without_yunchang_the_node_says_what_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "yunchang" else real(name, *a))
     with pytest.raises(FluxAccelError, match=r"needs yunchang .*pip install 'yunchang>=0.6'"):
         apply_parallel(build_flux("tiny", dtype=torch.float32), ParallelConfig())
+
+
+def test_cancel_ends_the_call_and_the_workers_serve_the_next_one(parallel):
+    """Cancel (ComfyUI's interrupt flag) during a model call: the call in flight finishes on the workers, then the
+    prompt ends as cancelled; the same workers run the next call."""
+    import comfy.model_management as mm
+
+    base = build_flux("tiny", dtype=torch.float32)
+    model, p = parallel(base)
+    ref = denoise_once(base)
+    assert rel_err(denoise_once(model), ref) < TOL
+    mm.interrupt_current_processing(True)
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            denoise_once(model)
+    finally:
+        mm.interrupt_current_processing(False)
+    assert rel_err(denoise_once(model), ref) < TOL and p.workers.starts == 1 and p.workers.calls == 3
