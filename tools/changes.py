@@ -4,6 +4,7 @@ changes, every prompt timed by ComfyUI itself (its execution_start -> execution_
     python tools/changes.py --sequence lora --case dev-1024-28 --configs fluxaccel eager torchcompile
     python tools/changes.py --sequence resolutions --case dev-1024-28 --configs fluxaccel eager torchcompile
     python tools/changes.py --sequence lora --repeat 20 --configs fluxaccel      # twenty changes in a row
+    python tools/changes.py --sequence resolutions --configs fluxaccel --dynamic-tokens   # one compile, every size
 
 lora: UNETLoader -> LoraLoaderModelOnly (a random rank-16 LoRA on every block Linear, written for the case's shape)
 -> the configuration's nodes -> KSampler. The steps: strength 1.0 (the steady state), 0.5, 1.0, 0.75, a second LoRA
@@ -92,6 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=0, metavar="N", help="lora: N strength changes in a row instead")
     ap.add_argument("--out", help="folder for the JSON (default: bench/results on a GPU, .cache/bench-results on the CPU)")
     ap.add_argument("--models-dir", default=str(ROOT / ".cache" / "models"))
+    ap.add_argument("--dynamic-tokens", action="store_true", help="the server compiles each block kind once for every "
+                    "token count ($FLUXACCEL_DYNAMIC_TOKENS=1): the A/B against per-shape compiles")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[fluxaccel] %(message)s")
     import torch
@@ -110,13 +113,14 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tag = "cpu" if not gpu else gpu.lower().replace(" ", "-")
     start, start_detail = server_start()
-    seq = f"{a.sequence}{a.repeat or ''}"
+    seq = f"{a.sequence}{a.repeat or ''}{'-dynamic-tokens' if a.dynamic_tokens else ''}"
     path = out / f"{tag}-{case_name}-changes-{seq}-{'-'.join(a.configs)}-{start}.json"
     meta = {"case": case_name, "gpu": gpu or "cpu", "sequence": seq,
             "command": "python tools/changes.py " + " ".join(map(shlex.quote, argv if argv is not None else sys.argv[1:])),
             "comfyui": host.comfy_version(comfy_dir), "torch": torch.__version__, "start": start,
             "start_detail": start_detail, "weights": f"random weights, FLUX shape '{case['shape']}'",
-            "settings": {**case, "server_args": server_args},
+            "settings": {**case, "server_args": server_args,
+                         "server_env": {"FLUXACCEL_DYNAMIC_TOKENS": "1"} if a.dynamic_tokens else {}},
             "order": "configurations in this order in one server, each through every step"}
     rows = []
 
@@ -127,7 +131,8 @@ def main(argv=None) -> int:
             shutil.copy(server.log_path, path.with_suffix(".comfyui.log"))
 
     with tempfile.TemporaryDirectory(prefix="fluxaccel-changes-") as work:
-        server = ComfyServer(comfy_dir, Path(work), models, tuple(server_args), cpu_fp8=not gpu, timestamps=True)
+        server = ComfyServer(comfy_dir, Path(work), models, tuple(server_args), cpu_fp8=not gpu, timestamps=True,
+                             env={"FLUXACCEL_DYNAMIC_TOKENS": "1"} if a.dynamic_tokens else None)
         try:
             server.start()
             for config in a.configs:

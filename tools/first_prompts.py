@@ -137,6 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--in-memory", action="store_true", help="build the random weights in the server's memory "
                     "(tools/memory_model_node) instead of a file UNETLoader reads: for shapes whose file does not fit "
                     "the disk (FLUX.2 [dev])")
+    ap.add_argument("--dynamic-tokens", action="store_true", help="the server compiles each block kind once for every "
+                    "token count ($FLUXACCEL_DYNAMIC_TOKENS=1): the A/B against per-shape compiles")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[fluxaccel] %(message)s")
     import torch
@@ -158,13 +160,15 @@ def main(argv=None) -> int:
     command = "python tools/first_prompts.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
     meta = {"case": case_name, "gpu": gpu or "cpu", "command": command, "comfyui": host.comfy_version(comfy_dir),
             "torch": torch.__version__, "weights": f"random weights, FLUX shape '{case['shape']}'",
-            "settings": {**case, "server_args": server_args},
+            "settings": {**case, "server_args": server_args,
+                         "server_env": {"FLUXACCEL_DYNAMIC_TOKENS": "1"} if a.dynamic_tokens else {}},
             "order": "configurations in this order in one server; later ones reuse ComfyUI's cached UNETLoader output"}
     start, start_detail = server_start()
     for n in range(2 if a.restart else 1):
         if n:  # the same machine, ComfyUI started again: caches on disk, nothing in the process
             start, start_detail = "restart", f"ComfyUI restarted on the machine of the run before ({server_start()[1]})"
-        configs = "" if a.configs == ["fluxaccel", "eager", "torchcompile"] else "-" + "-".join(a.configs)
+        configs = ("" if a.configs == ["fluxaccel", "eager", "torchcompile"] else "-" + "-".join(a.configs)) + \
+            ("-dynamic-tokens" if a.dynamic_tokens else "")
         path = out / f"{tag}-{case_name}-first-prompts{configs}-{start}.json"
         one_server(comfy_dir, a, case, unet_name, flux2, server_args, path,
                    {**meta, "start": start, "start_detail": start_detail})
@@ -185,7 +189,8 @@ def one_server(comfy_dir, a, case, unet_name, flux2, server_args, path, meta) ->
 
     with tempfile.TemporaryDirectory(prefix="fluxaccel-first-") as work:
         server = ComfyServer(comfy_dir, Path(work), Path(a.models_dir), tuple(server_args), cpu_fp8=meta["gpu"] == "cpu",
-                             memory_model=a.in_memory, timestamps=True)
+                             memory_model=a.in_memory, timestamps=True,
+                             env={"FLUXACCEL_DYNAMIC_TOKENS": "1"} if a.dynamic_tokens else None)
         try:
             server.start()
             for config in a.configs:

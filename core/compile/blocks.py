@@ -32,6 +32,7 @@ import sys
 import torch
 
 from ..cache.packages import Call
+from ..upstream import Unavailable, say, torch_internals
 
 from . import single_block
 from .attention import OVERRIDE_KEY
@@ -133,8 +134,19 @@ def _shared_options(options: dict | None) -> tuple[dict, str]:
     return shared, own
 
 
-def _double_replacement(block, double):
+def _tokens_dynamic(args: dict) -> None:
+    """Mark the token dimension of a block's inputs dynamic (BlockTable's dynamic_tokens): one trace for every count."""
+    for name, dim in (("img", 1), ("txt", 1), ("pe", 2)):
+        if isinstance(args.get(name), torch.Tensor):
+            marked = torch_internals.mark_dynamic(args[name], dim)
+            if isinstance(marked, Unavailable):
+                say(marked, "each token count compiles on its own")
+
+
+def _double_replacement(block, double, dynamic: bool = False):
     def replace(args, extra):
+        if dynamic:
+            _tokens_dynamic(args)
         img, txt = double(block, args["img"], args["txt"], *_flat(args["vec"]), args["pe"], args.get("attn_mask"),
                           *_shared_options(args.get("transformer_options")))
         return {"img": img, "txt": txt}
@@ -142,8 +154,10 @@ def _double_replacement(block, double):
     return replace
 
 
-def _single_replacement(block, own_forward: bool, single):
+def _single_replacement(block, own_forward: bool, single, dynamic: bool = False):
     def replace(args, extra):
+        if dynamic:
+            _tokens_dynamic(args)
         img = single(block, args["img"], *_flat(args["vec"]), args["pe"], args.get("attn_mask"),
                      *_shared_options(args.get("transformer_options")), own_forward and single_block.ready(block))
         return {"img": img}
@@ -183,8 +197,8 @@ class BlockTable:
     (inductor's), through warm-start packages where `packages` (warm_start.Packages) is given; rebuilt only if the
     model's blocks are swapped."""
 
-    def __init__(self, dm: torch.nn.Module, options: dict, packages=None):
-        self._dm = dm
+    def __init__(self, dm: torch.nn.Module, options: dict, packages=None, dynamic_tokens: bool = False):
+        self._dm, self.dynamic_tokens = dm, dynamic_tokens
         _known_records(dm)
         self.shape = None  # the shape key of the call running (set by the runner; per-block packages name it)
         self.loading = contextlib.nullcontext  # the running call's package-load marker (set by the runner)
@@ -192,7 +206,8 @@ class BlockTable:
         self._table: dict = {}
 
         def compiled(fn):
-            fn_compiled = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True, options=options)
+            fn_compiled = torch.compile(fn, backend="inductor", dynamic=None if dynamic_tokens else False,
+                                        fullgraph=True, options=options)
             return fn_compiled if packages is None else _Packaged(fn, fn_compiled, packages, self)
 
         self._double, self._single = compiled(_double_body), compiled(_single_body)
@@ -202,10 +217,12 @@ class BlockTable:
         if len(blocks) != len(self._blocks) or any(a is not b for a, b in zip(blocks, self._blocks)):
             n = len(self._dm.double_blocks)
             self._blocks = blocks
-            self._table = {(DOUBLE, i): _double_replacement(b, self._double) for i, b in enumerate(blocks[:n])}
+            self._table = {(DOUBLE, i): _double_replacement(b, self._double, self.dynamic_tokens)
+                           for i, b in enumerate(blocks[:n])}
             # per block class: whether FluxAccel's single-block forward was written for it
             own = {cls: not single_block.known(cls) for cls in {type(b) for b in blocks[n:]}}
-            self._table.update({(SINGLE, i): _single_replacement(b, own.get(type(b), False), self._single)
+            self._table.update({(SINGLE, i): _single_replacement(b, own.get(type(b), False), self._single,
+                                                                 self.dynamic_tokens)
                                 for i, b in enumerate(blocks[n:])})
         return self._table
 

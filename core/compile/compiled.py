@@ -67,7 +67,7 @@ class CompiledFlux(torch.nn.Module):
         self.policy = ShapePolicy(cfg.resolution_policy, cfg.max_shapes)
         kept = persistence.open_for(cfg, setup, self.stats)
         self.cache, self.packages, self.separate = kept.cache, kept.packages, kept.separate
-        self.runner = Runner(dm, BlockTable(dm, self.options, self.packages),
+        self.runner = Runner(dm, BlockTable(dm, self.options, self.packages, cfg.dynamic_tokens),
                              attention=attention_override(cfg.attention),
                              call_graphs=None if setup.capture_off else CallGraphs(limit=2 * cfg.max_shapes),
                              mod_table=setup.mod_table)

@@ -25,6 +25,7 @@ _MODE_OPTIONS = {"tuned-kernels": lambda: {"coordinate_descent_tuning": True},
                  "max-autotune": lambda: torch_internals.mode_options("max-autotune-no-cudagraphs")}
 POLICIES: tuple[str, ...] = ("recompile", "strict", "eager_fallback")
 SEPARATE_ENV = "FLUXACCEL_SEPARATE_COMPILE"  # "0": a new shape compiles in its first call (fleets, tests)
+DYNAMIC_ENV = "FLUXACCEL_DYNAMIC_TOKENS"  # "1": CompileConfig.dynamic_tokens
 ATTENTIONS: tuple[str, ...] = ("cudnn", "fp8")  # fp8: FlashAttention-3's FP8 kernel (fp8_attention.py), opt-in
 
 # inputs the Compile node had once, which saved workflows may still set: FluxAccel decides them now (one log line)
@@ -44,11 +45,17 @@ class CompileConfig:
     # needs persistent_cache, whose packages carry the compiled blocks back. A server started with
     # $FLUXACCEL_SEPARATE_COMPILE=0 compiles a new shape in its first call instead (from_inputs)
     separate_process: bool = True
+    # one compile of each block kind serves every token count (the tokens a dynamic dimension of the block kernels):
+    # a new size only captures its CUDA graph. Compiles in the call (no per-shape package, no separate process).
+    # A server started with $FLUXACCEL_DYNAMIC_TOKENS=1 uses it (from_inputs): for same-server A/B runs.
+    dynamic_tokens: bool = False
 
     def __post_init__(self):
         for name, allowed in (("mode", MODES), ("resolution_policy", POLICIES), ("attention", ATTENTIONS)):
             if getattr(self, name) not in allowed:
                 raise FluxAccelError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.dynamic_tokens and self.separate_process:
+            raise FluxAccelError("dynamic_tokens compiles in the call: set separate_process to False with it")
         if self.max_shapes < 1:
             raise FluxAccelError(f"max_shapes must be at least 1, got {self.max_shapes}")
 
@@ -56,8 +63,10 @@ class CompileConfig:
     def from_inputs(cls, inputs: dict, node: str) -> "CompileConfig":
         """The config of a node's inputs: its own fields taken, inputs the node no longer has said in one log line
         (their setting is decided by FluxAccel now), any other name refused."""
-        separate = os.environ.get(SEPARATE_ENV, "1") != "0"
-        return cls(**node_inputs(cls, inputs, REMOVED_INPUTS, node), separate_process=separate)
+        dynamic = os.environ.get(DYNAMIC_ENV, "0") == "1"
+        separate = os.environ.get(SEPARATE_ENV, "1") != "0" and not dynamic
+        return cls(**node_inputs(cls, inputs, REMOVED_INPUTS, node), separate_process=separate,
+                   dynamic_tokens=dynamic)
 
     def summary(self, capture: str) -> str:
         """The config in words (the Compile node's text). capture: '' where each model call is captured into a CUDA

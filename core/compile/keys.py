@@ -24,7 +24,8 @@ def cache_key(model, cfg, device: torch.device, options: dict) -> str:
     dm = model.model.diffusion_model
     # only what changes the compiled artifacts: the inductor options (mode, C++ wrapper), not resolution_policy etc.
     compiled = (repr(sorted(options.items())) + f" {reductions.KEY} {single_block.cache_tag(dm)}"
-                + (f" attention={cfg.attention}" if cfg.attention != "cudnn" else ""))
+                + (f" attention={cfg.attention}" if cfg.attention != "cudnn" else "")
+                + (" dynamic_tokens" if cfg.dynamic_tokens else ""))
     ident = {"format": 1, "torch": torch.__version__, "triton": package_version("triton"),
              "torchao": package_version("torchao"), "device": dev, "config": compiled, "model": type(dm).__name__,
              "layout": hashlib.sha256(model_layout(model).encode()).hexdigest(), "variant": model_variant(model)}

@@ -29,6 +29,8 @@ def open_for(cfg, setup, stats) -> Persistence:
 
     cache = KernelCache(setup.cache_key)
     stats.cache_loaded = cache.load()
+    if cfg.dynamic_tokens:  # one compile for every token count: no per-shape packages or separate compiles
+        return Persistence(cache)
     usable, why = warm_start.available()
     if not usable:
         stats.warm_start_off = why

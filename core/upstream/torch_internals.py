@@ -430,3 +430,14 @@ def tensor_version(t: torch.Tensor) -> int | None | Unavailable:
     except RuntimeError:  # "Inference tensors do not track version counter"
         return None
     return version if isinstance(version, int) else _missing("Tensor._version")
+
+
+# -- dynamic dimensions ---------------------------------------------------------------------------------------------
+def mark_dynamic(t: torch.Tensor, dim: int) -> bool | Unavailable:
+    """Tell torch.compile that `t`'s dimension `dim` varies between calls (torch._dynamo.mark_dynamic): one trace
+    serves every size of it."""
+    fn = _attr("torch._dynamo.mark_dynamic")
+    if isinstance(fn, Unavailable):
+        return fn
+    fn(t, dim)
+    return True
