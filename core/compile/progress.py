@@ -65,12 +65,15 @@ def _raise_in(thread_id: int, exc: type | None) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
 
 
+CANCEL_POLL_S = 0.1  # how often the watcher looks for Cancel (the prompt must end within 2 s of it)
+
+
 class CompileWatch:
     """Context manager around one compiling call: report(text, elapsed) now, every `interval` seconds, and at the end.
     A report that raises is logged and stops nothing (the compile must not fail for its progress display).
 
     Cancel: the compile is Python running in the sampler's thread, which checks for Cancel only between steps. The
-    watcher checks `cancelled` at every interval and, once it is true, raises ComfyUI's interrupt in the compiling
+    watcher checks `cancelled` every CANCEL_POLL_S and, once it is true, raises ComfyUI's interrupt in the compiling
     thread; the call ends as a cancelled prompt, whatever torch made of the exception on its way out, and nothing
     of the compile is saved (its files are written after the call). Where torch holds the thread in C code the
     exception lands when Python runs again."""
@@ -110,9 +113,11 @@ class CompileWatch:
             log.warning("FluxAccel: compile progress not shown (%s: %s)", type(e).__name__, e)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
+        reported = 0.0
+        while not self._stop.wait(min(self.interval, CANCEL_POLL_S)):
             elapsed = time.perf_counter() - self._t0
-            if self.report is not None:
+            if self.report is not None and elapsed - reported >= self.interval:
+                reported = elapsed
                 self._send(self.text(elapsed), elapsed)
             if self.cancelled is not None and not self._cancel_sent and self.cancelled():
                 with self._lock:
