@@ -4,6 +4,7 @@ from ..core.inputs import node_defaults
 from ..core.parallel.config import ParallelConfig
 from ..core.parallel.patch import NODE, apply_parallel
 from . import ids
+from .events import progress_text
 
 _D = node_defaults(ParallelConfig)  # {field: (default, advanced)}: the config dataclass is the one home of defaults
 
@@ -25,10 +26,12 @@ class Parallel(io.ComfyNode):
                                      "heads must split evenly over them."),
             ],
             outputs=[io.Model.Output(tooltip="The model, run across the GPUs; the input model is unchanged.")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
     def execute(cls, model, **inputs) -> io.NodeOutput:
         cfg = ParallelConfig.from_inputs(inputs, NODE)
         clone, parallel = apply_parallel(model, cfg)
+        parallel.on_progress = progress_text(cls.hidden.unique_id)  # the workers' start, on this node
         return io.NodeOutput(clone, ui=ui.PreviewText(parallel.describe()))

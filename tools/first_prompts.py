@@ -51,6 +51,9 @@ CONFIGS = {
     "fp8attn": fluxaccel(attention="fp8"),
     "tuned": fluxaccel(mode="tuned-kernels"),
     "modulation": fluxaccel({"scope": "blocks+modulation"}),
+    # Quantize FP8 -> Parallel (each model call's tokens over N GPUs), for machines with several
+    "parallel2": [("5", "FluxAccelQuantizeFP8", FP8), ("6", "FluxAccelParallel", {"gpus": 2})],
+    "parallel4": [("5", "FluxAccelQuantizeFP8", FP8), ("6", "FluxAccelParallel", {"gpus": 4})],
     "eager": [],
     "torchcompile": [("5", "TorchCompileModel", {"backend": "inductor"})],
     # core's fp8_e4m3fn_fast + TorchCompileModel: the loader with weight_dtype fp8_e4m3fn_fast (its own node, "1f")

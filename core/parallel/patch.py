@@ -44,6 +44,7 @@ class ParallelFlux(torch.nn.Module):
         object.__setattr__(self, "model", model)  # the clone (not a submodule: the live model stays ComfyUI's)
         object.__setattr__(self, "dm", model.model.diffusion_model)
         self.workers, self.node = workers, node
+        self.on_progress = None  # (text, seconds) -> None: the node's progress text in the editor (nodes/events.py)
         self.stats = {"calls": 0, "worker_starts": 0, "weights_sent": 0}
 
     def __getattr__(self, name):
@@ -66,8 +67,7 @@ class ParallelFlux(torch.nn.Module):
         options = named.pop("transformer_options", None) or {}
         self._refuse(named, options)
         starts = self.workers.starts
-        self.stats["weights_sent"] += self.workers.ready(
-            self.dm, self._written_in_place, tell=lambda text: log.info("FluxAccel: %s: %s", self.node, text))
+        self.stats["weights_sent"] += self.workers.ready(self.dm, self._written_in_place, tell=self._tell)
         self.stats["worker_starts"] += self.workers.starts - starts
         x = named["x"]
         args = {k: v for k, v in named.items() if k != "control"}
@@ -76,10 +76,21 @@ class ParallelFlux(torch.nn.Module):
         self.stats["calls"] += 1
         return out.to(device=x.device, dtype=x.dtype)
 
+    def _tell(self, text: str) -> None:
+        """Say how the workers' start goes: in the log, and as the node's progress text in the editor."""
+        log.info("FluxAccel: %s: %s", self.node, text)
+        if self.on_progress is None:
+            return
+        try:
+            self.on_progress(text, 0.0)
+        except (ImportError, AttributeError, RuntimeError, OSError, ValueError, TypeError) as e:
+            # a display must never fail the prompt: said, and the start goes on
+            log.warning("FluxAccel: %s: progress not shown in the editor (%s: %s)", self.node, type(e).__name__, e)
+
     def describe(self) -> str:
         """The node's text: where the workers run and what they have done so far."""
         w = self.workers
-        state = "running" if w.procs else "they start at the first model call"
+        state = "running" if w.procs else "start at the first model call"
         return (f"each model call's tokens split over {len(w.devices)} workers ({', '.join(w.devices)}), attention "
                 f"gathered by yunchang's Ulysses all-to-all; blocks run uncompiled (ComfyUI's FLUX forward); "
                 f"workers {state}; {self.stats['calls']} call(s) so far")

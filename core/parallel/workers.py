@@ -113,7 +113,10 @@ class Workers:
             self.conns[:] = self._connections(listener)
         finally:
             listener.close()
-        self._all(("model", blob, changed_weights(dm, self.sent, marker)), "taking the model")
+        weights = changed_weights(dm, self.sent, marker)
+        tell(f"{len(self.devices)} workers started; sending them the model ({len(weights)} tensors, "
+             f"{sum(t.numel() * t.element_size() for t in weights.values()) / 1024**3:.2f} GiB)")
+        self._all(("model", blob, weights), "taking the model")
         self.starts += 1
         tell(f"{len(self.devices)} workers ready in {time.perf_counter() - t0:.1f} s")
 

@@ -166,3 +166,16 @@ def test_an_fp8_model_runs_across_the_workers(parallel, cpu_fp8):
     model, p = parallel(fp8)
     ref = denoise_once(fp8, hw=14, w=18)
     assert rel_err(denoise_once(model, hw=14, w=18), ref) < 2e-2 and p.stats["calls"] == 1
+
+
+def test_the_workers_start_shows_its_progress_and_a_failing_display_stops_nothing(parallel):
+    base = build_flux("tiny", dtype=torch.float32)
+    model, p = parallel(base)
+    shown = []
+    p.on_progress = lambda text, seconds: shown.append(text)
+    denoise_once(model)
+    assert shown[0] == "starting 2 workers (cpu, cpu)" and shown[1].startswith("2 workers started; sending them the model")
+    assert shown[-1].startswith("2 workers ready in")
+    p.workers.stop()
+    p.on_progress = lambda text, seconds: (_ for _ in ()).throw(RuntimeError("no editor"))
+    assert rel_err(denoise_once(model), denoise_once(base)) < TOL
