@@ -94,8 +94,8 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
             f"node's compiled or captured blocks inside it: remove the other node, or load the model again for "
             f"FluxAccel.")
     if flux.model.get_attachment(PARALLEL_KEY) is not None:
-        raise FluxAccelError(f"{node}: this model runs across GPUs (Parallel), whose workers run ComfyUI's FLUX "
-                             f"forward uncompiled. Remove Compile + CUDA Graph, or the Parallel node.")
+        raise FluxAccelError(f"{node}: this model runs across GPUs (Parallel), whose workers compile its blocks "
+                             f"themselves. Remove Compile + CUDA Graph, or the Parallel node.")
     why_fp8 = fp8_attention.why_not(device) if cfg.attention == "fp8" else ""
     if why_fp8:
         raise FluxAccelError(f"{node}: attention 'fp8' cannot run here: {why_fp8}. Set attention to 'cudnn'.")

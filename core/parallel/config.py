@@ -16,6 +16,9 @@ class ParallelConfig:
     gpus: int = dataclasses.field(default=2, metadata=node_field())
     # how long a worker may take to start, or to answer one message, before it counts as lost
     timeout_s: float = 600.0
+    # each worker compiles each kind of FLUX block once (FluxAccel's block table) around the all-to-all; False:
+    # ComfyUI's block code as it is (tests that check the split itself)
+    compile_blocks: bool = True
 
     def __post_init__(self):
         if self.gpus < 2:

@@ -5,7 +5,7 @@ loading stay in this process; the workers get the weights as ComfyUI loaded them
 What the workers cannot honour is refused by name: ControlNet residuals and other nodes' per-block patches (they
 index the whole sequence), FLUX.2's reference latents at timestep zero, attention masks. Other nodes' diffusion-model
 wrappers (EasyCache, ...) run here, around the call. Chroma and Compile + CUDA Graph on the same model are refused:
-the workers run ComfyUI's FLUX forward, eager.
+the workers run ComfyUI's FLUX forward with each block kind compiled by themselves.
 """
 from __future__ import annotations
 
@@ -92,7 +92,9 @@ class ParallelFlux(torch.nn.Module):
         w = self.workers
         state = "running" if w.procs else "start at the first model call"
         return (f"each model call's tokens split over {len(w.devices)} workers ({', '.join(w.devices)}), attention "
-                f"gathered by yunchang's Ulysses all-to-all; blocks run uncompiled (ComfyUI's FLUX forward); "
+                f"gathered by yunchang's Ulysses all-to-all; "
+                f"{'each block kind compiled once in each worker' if w.cfg.compile_blocks else 'blocks uncompiled'}, "
+                f"calls not captured into CUDA graphs; "
                 f"workers {state}; {self.stats['calls']} call(s) so far")
 
     def _written_in_place(self, name: str):

@@ -51,8 +51,8 @@ class Split:
         """This rank's share of part `part` of `t` (tokens on `dim`), zero-padded to the share's size."""
         size = self.sizes[part]
         mine = t.narrow(dim, min(self.rank * size, t.shape[dim]), max(0, min(size, t.shape[dim] - self.rank * size)))
-        if mine.shape[dim] == size:
-            return mine.contiguous()
+        if mine.shape[dim] == size:  # a copy with plain strides (a compiled block guards on them, batch's too)
+            return mine.clone(memory_format=torch.contiguous_format)
         pad = list(mine.shape)
         pad[dim] = size - mine.shape[dim]
         return torch.cat([mine, mine.new_zeros(pad)], dim=dim)
@@ -72,34 +72,40 @@ class Split:
 class UlyssesAttention:
     """The attention override of one stage: q, k, v of this rank's tokens (batch, heads, tokens, dim) in, the
     attention output of these tokens (batch, tokens, heads * dim) out, computed over every rank's tokens by `inner`
-    (ComfyUI's attention function, or the override the call had) on 1/world of the heads."""
+    (ComfyUI's attention function, or the override the call had) on 1/world of the heads. One object per stage
+    serves every call (a compiled block body sees the same override): `keep` is set for each call's tokens."""
 
-    def __init__(self, split: Split, group, inner=None):
-        self.split, self.group, self.inner = split, group, inner
+    def __init__(self, world: int, group, inner=None):
+        self.world, self.group, self.inner = world, group, inner
+        self.keep = torch.zeros(0, dtype=torch.long)  # the call's real tokens in the all-to-all's sequence (Split)
 
     def __call__(self, func, q, k, v, heads, mask=None, skip_reshape=False, **kwargs):
         b, h, n, d = q.shape if skip_reshape else (q.shape[0], heads, q.shape[1], q.shape[2] // heads)
         if not skip_reshape:
             q, k, v = (t.view(b, n, h, d).transpose(1, 2) for t in (q, k, v))
-        keep = self.split.keep.to(q.device)
+        keep, world = self.keep, self.world
         # (b, h, n, d) -> (b, n, h, d) -> all-to-all -> (b, world * n, h / world, d) -> real tokens -> (b, h', N, d)
         q, k, v = (SeqAllToAll4D.apply(self.group, t.transpose(1, 2).contiguous(), 2, 1, False)[:, keep]
                    .transpose(1, 2) for t in (q, k, v))
         attend = func if self.inner is None else (lambda *a, **kw: self.inner(func, *a, **kw))
-        out = attend(q, k, v, h // self.split.world, mask=mask, skip_reshape=True, **kwargs)  # (b, N, h' * d)
-        full = out.new_zeros(b, self.split.world * n, h // self.split.world, d)
-        full[:, keep] = out.view(b, -1, h // self.split.world, d)
+        out = attend(q, k, v, h // world, mask=mask, skip_reshape=True, **kwargs)  # (b, N, h' * d)
+        full = out.new_zeros(b, world * n, h // world, d)
+        full[:, keep] = out.view(b, -1, h // world, d)
         return SeqAllToAll4D.apply(self.group, full, 1, 2, False).reshape(b, n, h * d)
 
 
 class SequenceParallel:
-    """The block replacements of one model call on this rank: `options(transformer_options)` gives the call's
-    options with them. `doubles`/`singles`: the model's block counts."""
+    """The block replacements of this rank's model calls: `options(transformer_options)` gives a call's options with
+    them. `doubles`/`singles`: the model's block counts; `blocks`: a BlockTable whose compiled block bodies run each
+    block (None: ComfyUI's own block code). One object serves every call of the worker, so that compiled bodies see
+    the same attention override each time."""
 
-    def __init__(self, rank: int, world: int, doubles: int, singles: int, group=None):
+    def __init__(self, rank: int, world: int, doubles: int, singles: int, group=None, blocks=None):
         self.rank, self.world, self.doubles, self.singles, self.group = rank, world, doubles, singles, group
+        self.blocks = blocks
         self.stage: Split | None = None
         self.pe: torch.Tensor | None = None
+        self._attention: dict[tuple, UlyssesAttention] = {}  # (stage, the call's own override) -> override
 
     def options(self, transformer_options: dict) -> dict:
         replace = {("double_block", i): self._double(i) for i in range(self.doubles)}
@@ -108,8 +114,19 @@ class SequenceParallel:
         patches["dit"] = {**patches.get("dit", {}), **replace}
         return {**transformer_options, "patches_replace": patches}
 
-    def _attending(self, options: dict) -> dict:
-        return {**options, OVERRIDE_KEY: UlyssesAttention(self.stage, self.group, options.get(OVERRIDE_KEY))}
+    def _attending(self, options: dict, stage: str) -> dict:
+        inner = options.get(OVERRIDE_KEY)
+        att = self._attention.get((stage, id(inner)))
+        if att is None:
+            att = self._attention[(stage, id(inner))] = UlyssesAttention(self.world, self.group, inner)
+        att.keep = self.stage.keep
+        return {**options, OVERRIDE_KEY: att}
+
+    def _run(self, key: tuple, args: dict, extra: dict) -> dict:
+        """One block on this rank's tokens: its compiled body where there is a block table, else ComfyUI's code."""
+        if self.blocks is not None:
+            return self.blocks.table()[key](args, extra)
+        return extra["original_block"](args)
 
     def _double(self, i: int):
         def replace(args, extra):
@@ -118,8 +135,8 @@ class SequenceParallel:
                 self.stage = Split((txt.shape[TOKENS], img.shape[TOKENS]), self.rank, self.world)
                 self.pe = self.stage.local_all(args["pe"], PE_TOKENS) if args["pe"] is not None else None
                 img, txt = self.stage.local(img, 1), self.stage.local(txt, 0)
-            out = extra["original_block"]({**args, "img": img, "txt": txt, "pe": self.pe,
-                                           "transformer_options": self._attending(args["transformer_options"])})
+            out = self._run(("double_block", i), {**args, "img": img, "txt": txt, "pe": self.pe, "transformer_options":
+                                                  self._attending(args["transformer_options"], "double")}, extra)
             if i == self.doubles - 1:
                 out = {"img": self.stage.gather(out["img"], 1, self.group),
                        "txt": self.stage.gather(out["txt"], 0, self.group)}
@@ -134,8 +151,8 @@ class SequenceParallel:
                 self.stage = Split((img.shape[TOKENS],), self.rank, self.world)
                 self.pe = self.stage.local(args["pe"], 0, PE_TOKENS) if args["pe"] is not None else None
                 img = self.stage.local(img, 0)
-            out = extra["original_block"]({**args, "img": img, "pe": self.pe,
-                                           "transformer_options": self._attending(args["transformer_options"])})
+            out = self._run(("single_block", i), {**args, "img": img, "pe": self.pe, "transformer_options":
+                                                  self._attending(args["transformer_options"], "single")}, extra)
             if i == self.singles - 1:
                 out = {"img": self.stage.gather(out["img"], 0, self.group)}
             return out

@@ -17,6 +17,12 @@ import torch
 import torch.distributed as dist
 
 from ..compile import skeleton
+from ..compile.blocks import BlockTable
+from ..compile.config import CompileConfig
+from ..compile.reductions import persistent
+from ..compile.rope import torch_rope
+from ..compile.runner import one_graph, recompile_budget
+from ..upstream import torch_internals
 from .sequence import SequenceParallel
 from .wire import recv, send
 
@@ -32,7 +38,7 @@ def run(job: dict) -> int:
     send(conn, ("ok", rank, None))  # before the group forms: ComfyUI's process accepts one worker at a time
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=job["init_method"], rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=job["timeout_s"]))
-    dm = None
+    dm = sp = None
     try:
         while True:
             msg = recv(conn)
@@ -40,14 +46,15 @@ def run(job: dict) -> int:
                 if msg[0] == "stop":
                     return 0
                 if msg[0] == "model":
-                    dm = skeleton.loads(msg[1], device)
+                    dm, sp = skeleton.loads(msg[1], device), None
                     _load(dm, msg[2], device)
                     out = None
                 elif msg[0] == "weights":
                     _load(dm, msg[1], device)
                     out = None
                 else:
-                    out = _call(dm, msg[1], rank, world, device)
+                    sp = sp or _parallel(dm, rank, world, job["compile_blocks"])
+                    out = _call(dm, sp, msg[1], device)
                 send(conn, ("ok", rank, out if rank == 0 else None))
             except Exception:  # noqa: BLE001 -- every error goes back to ComfyUI's process, which says it
                 send(conn, ("error", rank, traceback.format_exc(limit=8)))
@@ -63,11 +70,18 @@ def _load(dm: torch.nn.Module, weights: dict, device: torch.device) -> None:
             tensors[name].copy_(t.to(device))
 
 
-def _call(dm: torch.nn.Module, inputs: dict, rank: int, world: int, device: torch.device) -> torch.Tensor:
-    """The model call with this rank's share of the tokens; the whole output (every rank has it)."""
+def _parallel(dm: torch.nn.Module, rank: int, world: int, compile_blocks: bool) -> SequenceParallel:
+    """This worker's block replacements for `dm`: each block kind compiled once (FluxAccel's BlockTable, without the
+    call's capture) where `compile_blocks`, else ComfyUI's own block code."""
+    blocks = BlockTable(dm, CompileConfig().inductor_options(capture=False)) if compile_blocks else None
+    return SequenceParallel(rank, world, len(dm.double_blocks), len(dm.single_blocks), blocks=blocks)
+
+
+def _call(dm: torch.nn.Module, sp: SequenceParallel, inputs: dict, device: torch.device) -> dict:
+    """The model call with this rank's share of the tokens: the whole output (every rank has it), and how many
+    graphs this worker has compiled so far."""
     args = {k: (v.to(device) if isinstance(v, torch.Tensor) else
                 [t.to(device) for t in v] if isinstance(v, list) else v) for k, v in inputs["args"].items()}
-    sp = SequenceParallel(rank, world, len(dm.double_blocks), len(dm.single_blocks))
-    with torch.inference_mode():
+    with torch.inference_mode(), one_graph(), recompile_budget(), torch_rope(), persistent():
         out = dm(**args, transformer_options=sp.options(inputs["transformer_options"]))
-    return out.cpu()
+    return {"out": out.cpu(), "compiled_graphs": torch_internals.compiled_graph_count()}

@@ -86,11 +86,8 @@ class Workers:
         weakref.finalize(self, _end, self.procs, self.conns)  # the workers end with the model they serve
         self.sent: dict[str, tuple] = {}  # weight name -> its (tensor identity, version) when last sent
         self.starts = self.calls = 0
+        self.compiled_graphs: int | None = 0  # graphs rank 0 has compiled (its blocks; None: cannot tell)
         self.work: tempfile.TemporaryDirectory | None = None
-
-    @property
-    def running(self) -> bool:
-        return bool(self.procs) and all(p.poll() is None for p in self.procs)
 
     def start(self, dm: torch.nn.Module, marker, tell=log.info) -> None:
         """Start the workers and give them the model (its skeleton, then every weight; `marker` as ready takes it)."""
@@ -108,6 +105,7 @@ class Workers:
         try:
             job = {"world": len(self.devices), "address": listener.address, "authkey": authkey.hex(),
                    "init_method": f"file://{work / 'group'}", "timeout_s": self.cfg.timeout_s,
+                   "compile_blocks": self.cfg.compile_blocks,
                    "flags": pickle.dumps(flags)}  # (the flags read once the worker's import path is set)
             self.procs.extend(launch(self.devices, job, work))
             self.conns[:] = self._connections(listener)
@@ -165,7 +163,9 @@ class Workers:
         """Run one model call on every worker; rank 0's output. `cancelled()`: Cancel pressed (the call in flight
         ends first, then the prompt)."""
         self.calls += 1
-        return self._all(("call", inputs), "running a model call", cancelled)[0]
+        answer = self._all(("call", inputs), "running a model call", cancelled)[0]
+        self.compiled_graphs = answer["compiled_graphs"]
+        return answer["out"]
 
     def _all(self, msg: tuple, doing: str, cancelled=None) -> list:
         """Send `msg` to every worker and wait for every answer; a failure stops all of them and says why."""

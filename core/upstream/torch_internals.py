@@ -441,3 +441,14 @@ def mark_dynamic(t: torch.Tensor, dim: int) -> bool | Unavailable:
         return fn
     fn(t, dim)
     return True
+
+
+# -- how much dynamo compiled --------------------------------------------------------------------------------------
+def compiled_graph_count() -> int | None:
+    """The graphs dynamo has compiled in this process (torch._dynamo.utils.counters["stats"]["unique_graphs"]); None
+    where this torch keeps no such counter."""
+    counters = _attr("torch._dynamo.utils.counters")
+    if isinstance(counters, Unavailable):
+        say(counters, "the parallel workers' node text cannot say how many graphs they compiled")
+        return None
+    return int(counters["stats"]["unique_graphs"])

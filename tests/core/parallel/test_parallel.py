@@ -22,11 +22,12 @@ TOL = 1e-5  # float32: the same arithmetic, attention summed in another order
 
 @pytest.fixture
 def parallel():
-    """apply_parallel(model) with 2 workers; every worker stopped at the end."""
+    """apply_parallel(model) with 2 workers (running ComfyUI's block code, unless compile_blocks); every worker
+    stopped at the end."""
     made = []
 
-    def make(model, gpus=2):
-        clone, p = apply_parallel(model, ParallelConfig(gpus=gpus, timeout_s=120))
+    def make(model, gpus=2, compile_blocks=False):
+        clone, p = apply_parallel(model, ParallelConfig(gpus=gpus, timeout_s=300, compile_blocks=compile_blocks))
         made.append(p)
         return clone, p
 
@@ -109,7 +110,7 @@ def test_what_cannot_run_across_gpus_is_refused_by_name(parallel):
     replace = {"patches_replace": {"dit": {("double_block", 0): print}}}
     with pytest.raises(FluxAccelError, match=r"block replacements \(dit\) cannot run across GPUs"):
         p._call({"x": x, "timestep": torch.ones(1), "transformer_options": replace})
-    assert not p.workers.running and p.workers.starts == 0
+    assert not p.workers.procs and p.workers.starts == 0
     with pytest.raises(FluxAccelError, match="2 attention heads do not split over 4 GPUs. Set gpus to a divisor of 2"):
         parallel(base, gpus=4)
 
@@ -179,3 +180,19 @@ def test_the_workers_start_shows_its_progress_and_a_failing_display_stops_nothin
     p.workers.stop()
     p.on_progress = lambda text, seconds: (_ for _ in ()).throw(RuntimeError("no editor"))
     assert rel_err(denoise_once(model), denoise_once(base)) < TOL
+
+
+@pytest.mark.parametrize("shape, sizes", [(TINY, ((14, 18, 7), (16, None, 16))), (TINY_FLUX2, ((7, 9, 7),))])
+def test_workers_with_compiled_blocks_equal_the_single_process_call(parallel, shape, sizes):
+    """Each worker compiles each kind of block once per token count (FluxAccel's block table, the all-to-all traced
+    inside it): the same output as the model in this process, at an uneven and an even token count, and again at the
+    first without compiling again."""
+    base = build_flux(shape, dtype=torch.float32)
+    model, p = parallel(base, compile_blocks=True)
+    graphs = []
+    for hw, w, text in (*sizes, sizes[0]):
+        assert rel_err(denoise_once(model, hw=hw, w=w, text_len=text), denoise_once(base, hw=hw, w=w,
+                                                                                    text_len=text)) < 1e-4
+        graphs.append(p.workers.compiled_graphs)
+    # one graph per block kind per token count (dynamo's counter in the worker); the repeat compiles nothing
+    assert graphs == [2 * (i + 1) for i in range(len(sizes))] + [2 * len(sizes)] and p.workers.starts == 1
