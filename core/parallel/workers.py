@@ -35,6 +35,7 @@ log = logging.getLogger("fluxaccel.parallel")
 
 PACKAGE = __name__.rsplit(".core.", 1)[0]  # the name this plugin's package is imported under (ComfyUI: its folder)
 WORKER = Path(__file__).with_name("worker.py")
+CANCEL_GRACE_S = 1.0  # after Cancel, how long a call in flight may still finish before the workers are stopped
 
 
 class WorkerDied(FluxAccelError):
@@ -97,16 +98,13 @@ class Workers:
         flags = comfy_internals.launch_args()
         if isinstance(flags, Unavailable):
             raise FluxAccelError(f"{self.node}: cannot start the workers: {flags} (they need ComfyUI's launch flags)")
-        self.work = tempfile.TemporaryDirectory(prefix="fluxaccel-parallel-")
-        work = Path(self.work.name)
-        authkey = secrets.token_bytes(16)
-        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        self.work, authkey = tempfile.TemporaryDirectory(prefix="fluxaccel-parallel-"), secrets.token_bytes(16)
+        work, listener = Path(self.work.name), Listener(("127.0.0.1", 0), authkey=authkey)
         tell(f"starting {len(self.devices)} workers ({', '.join(self.devices)})")
         try:
-            job = {"world": len(self.devices), "address": listener.address, "authkey": authkey.hex(),
-                   "init_method": f"file://{work / 'group'}", "timeout_s": self.cfg.timeout_s,
-                   "compile_blocks": self.cfg.compile_blocks,
-                   "flags": pickle.dumps(flags)}  # (the flags read once the worker's import path is set)
+            job = {"world": len(self.devices), "address": listener.address, "authkey": authkey.hex(), "init_method":
+                   f"file://{work / 'group'}", "timeout_s": self.cfg.timeout_s, "compile_blocks":
+                   self.cfg.compile_blocks, "flags": pickle.dumps(flags)}  # (flags: read once the path is set)
             self.procs.extend(launch(self.devices, job, work))
             self.conns[:] = self._connections(listener)
         finally:
@@ -172,7 +170,7 @@ class Workers:
         try:
             for conn in self.conns:
                 send(conn, msg)
-            answers = [self._answer(rank, conn, doing) for rank, conn in enumerate(self.conns)]
+            answers = [self._answer(rank, conn, doing, cancelled) for rank, conn in enumerate(self.conns)]
         except (OSError, EOFError) as e:  # a worker's connection broke: which one exited, where that shows
             deadline = time.monotonic() + 2.0
             while time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
@@ -192,10 +190,17 @@ class Workers:
             raise comfy_internals.interrupt_exception()("cancelled")
         return [out for _, _, out in answers]
 
-    def _answer(self, rank: int, conn, doing: str):
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while not conn.poll(0.2):
+    def _answer(self, rank: int, conn, doing: str, cancelled=None):
+        """Worker `rank`'s answer; after Cancel, a call still running past CANCEL_GRACE_S stops the workers."""
+        deadline, cancel_at = time.monotonic() + self.cfg.timeout_s, None
+        while not conn.poll(0.1):
             self._check_alive(doing)
+            cancel_at = cancel_at or (time.monotonic() if cancelled is not None and cancelled() else None)
+            if cancel_at is not None and time.monotonic() - cancel_at > CANCEL_GRACE_S:
+                self.stop(wait_s=0.2)  # busy workers read no stop message: killed
+                log.info("FluxAccel: %s: Cancel pressed while %s: the workers were stopped; the next prompt starts "
+                         "them again", self.node, doing)
+                raise comfy_internals.interrupt_exception()("cancelled")
             if time.monotonic() > deadline:
                 self.stop()
                 raise WorkerDied(f"{self.node}: worker {rank} did not answer within {self.cfg.timeout_s:.0f} s while "
@@ -212,22 +217,27 @@ class Workers:
                              f"{doing}{tail}; the next prompt starts the workers again")
 
     def _log_tail(self, rank: int = 0) -> str:
-        try:
-            lines = (Path(self.work.name) / f"worker{rank}.log").read_text(errors="replace").strip().splitlines()
-        except (OSError, AttributeError):
-            return ""
-        return f" (its log: {lines[-1][:300]})" if lines else ""
+        return log_tail(Path(self.work.name) / f"worker{rank}.log") if self.work is not None else ""
 
-    def stop(self) -> None:
-        """End every worker (a stop message, then kill what still runs)."""
-        _end(self.procs, self.conns)
+    def stop(self, wait_s: float = 5.0) -> None:
+        """End every worker (a stop message, then kill what still runs after `wait_s`)."""
+        _end(self.procs, self.conns, wait_s)
         self.sent.clear()
         if self.work is not None:
             self.work.cleanup()
             self.work = None
 
 
-def _end(procs: list, conns: list) -> None:
+def log_tail(path: Path) -> str:
+    """' (its log: LAST LINE)' of a worker's log, or ''."""
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return f" (its log: {lines[-1][:300]})" if lines else ""
+
+
+def _end(procs: list, conns: list, wait_s: float = 5.0) -> None:
     """Stop these workers and empty both lists (also when their Workers object is collected: weakref.finalize)."""
     for conn in conns:
         try:
@@ -237,7 +247,7 @@ def _end(procs: list, conns: list) -> None:
             pass
     for p in procs:
         try:
-            p.wait(timeout=5)
+            p.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()

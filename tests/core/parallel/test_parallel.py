@@ -196,3 +196,33 @@ def test_workers_with_compiled_blocks_equal_the_single_process_call(parallel, sh
         graphs.append(p.workers.compiled_graphs)
     # one graph per block kind per token count (dynamo's counter in the worker); the repeat compiles nothing
     assert graphs == [2 * (i + 1) for i in range(len(sizes))] + [2 * len(sizes)] and p.workers.starts == 1
+
+
+def test_cancel_during_the_workers_compile_stops_them_within_two_seconds(parallel):
+    """Cancel while the workers compile their blocks (their first call, seconds long): the prompt ends within 2 s of
+    it, the workers are stopped, and the next call starts them again and runs."""
+    import threading
+    import time
+
+    import comfy.model_management as mm
+
+    base = build_flux("tiny", dtype=torch.float32)
+    model, p = parallel(base, compile_blocks=True)
+    p.workers.start(p.dm, p._written_in_place)  # started beforehand: the call below is only the compile and the run
+    pressed = []
+
+    def cancel():
+        pressed.append(time.monotonic())
+        mm.interrupt_current_processing(True)
+
+    timer = threading.Timer(0.5, cancel)
+    timer.start()
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            denoise_once(model, hw=12, w=20, text_len=9)
+        ended = time.monotonic()
+    finally:
+        timer.cancel()
+        mm.interrupt_current_processing(False)
+    assert pressed and ended - pressed[0] < 2.0 and not p.workers.procs
+    assert rel_err(denoise_once(model), denoise_once(base)) < 1e-4 and p.workers.starts == 2
