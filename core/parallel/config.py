@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from ..errors import FluxAccelError
 from ..inputs import node_field, node_inputs
-from ..models.loaded import PARALLEL_KEY  # noqa: F401 -- the Parallel node's key, where every package can read it
 
 
 @dataclass(frozen=True)

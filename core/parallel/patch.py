@@ -21,9 +21,10 @@ from ..compile.progress import cancelled
 from ..compile.wrappers import outer, run_around
 from ..errors import FluxAccelError
 from ..models.flux import FluxModel
+from ..models.loaded import PARALLEL_KEY
 from ..quant.patch import fp8_state
 from ..upstream import comfy_internals
-from .config import PARALLEL_KEY, ParallelConfig
+from .config import ParallelConfig
 from .workers import Workers
 
 log = logging.getLogger("fluxaccel.parallel")

@@ -38,10 +38,13 @@ class Split:
     keep: torch.Tensor = field(init=False)  # real tokens' places in the all-to-all's rank-major sequence
 
     def __post_init__(self):
-        share = sum(self.sizes)
-        real = [r * share + sum(self.sizes[:p]) + j for r in range(self.world)
-                for p, (n, size) in enumerate(zip(self.lengths, self.sizes)) for j in range(size) if r * size + j < n]
-        self.keep = torch.tensor(real, dtype=torch.long)
+        sizes = self.sizes
+        share, ranges = sum(sizes), []
+        for r in range(self.world):  # rank r's shares follow each other: part p's real tokens start at its offset
+            for p, (n, size) in enumerate(zip(self.lengths, sizes)):
+                start = r * share + sum(sizes[:p])
+                ranges.append(torch.arange(start, start + max(0, min(size, n - r * size))))
+        self.keep = torch.cat(ranges)
 
     @property
     def sizes(self) -> tuple[int, ...]:

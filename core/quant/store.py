@@ -52,8 +52,12 @@ class Fp8Store:
     report: Fp8Report
     compute_dtype: object = None
     held: dict[str, list] = field(default_factory=dict)
-    merges: int = 0  # Linears merged again so far (the stats)
     generations: dict[str, int] = field(default_factory=dict)  # per Linear, how often merged again (a write in place)
+
+    @property
+    def merges(self) -> int:
+        """Linears merged again so far (the stats)."""
+        return sum(self.generations.values())
 
     @property
     def fp8(self) -> dict[str, torch.nn.Module]:
@@ -77,7 +81,6 @@ class Fp8Store:
             self._merge(model, name, {k: patches.get(k) for k in keys})
             changed.append(name)
         if changed:
-            self.merges += len(changed)
             log.info("FluxAccel: merged this prompt's weight patches into %d FP8 Linears in place in %.2f s",
                      len(changed), time.perf_counter() - t0)
         return len(changed)

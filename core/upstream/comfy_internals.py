@@ -253,18 +253,18 @@ DYNAMIC_MODULE_STATE = ("_v", "_v_signature", "_pin_state", "seed_key", "comfy_c
                         "bias_function", "weight_lowvram_function", "bias_lowvram_function")
 
 
-def weight_patches_uuid(base):
-    """Which clone's weight patches are applied to the BaseModel's weights now (ModelPatcher sets
-    current_weight_patches_uuid when it patches them, None when it restores them)."""
-    uuid = getattr(base, "current_weight_patches_uuid", _NO_ATTR)
-    return _missing("BaseModel.current_weight_patches_uuid") if uuid is _NO_ATTR else uuid
-
-
 def patcher_model_state(base) -> list[str]:
     return [k for k in vars(base) if k in PATCHER_MODEL_STATE or k.startswith("dynamic_")]
 
 
 _NO_ATTR = object()
+
+
+def weight_patches_uuid(base):
+    """Which clone's weight patches are applied to the BaseModel's weights now (ModelPatcher sets
+    current_weight_patches_uuid when it patches them, None when it restores them)."""
+    uuid = getattr(base, "current_weight_patches_uuid", _NO_ATTR)
+    return _missing("BaseModel.current_weight_patches_uuid") if uuid is _NO_ATTR else uuid
 
 
 def kept_delegate(model):
