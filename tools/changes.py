@@ -4,6 +4,7 @@ changes, every prompt timed by ComfyUI itself (its execution_start -> execution_
     python tools/changes.py --sequence lora --case dev-1024-28 --configs fluxaccel eager torchcompile
     python tools/changes.py --sequence resolutions --case dev-1024-28 --configs fluxaccel eager torchcompile
     python tools/changes.py --sequence lora --repeat 20 --configs fluxaccel      # twenty changes in a row
+    python tools/changes.py --sequence lora --lora-after-quantize --configs fluxaccel   # LoRA after Quantize FP8
     python tools/changes.py --sequence resolutions --configs fluxaccel --dynamic-tokens   # one compile, every size
 
 lora: UNETLoader -> LoraLoaderModelOnly (a random rank-16 LoRA on every block Linear, written for the case's shape)
@@ -61,17 +62,20 @@ def size_steps(case: dict) -> list[tuple[str, tuple[int, int]]]:
     return [("steady" if i == 0 else f"{w}x{h}", (w, h)) for i, (w, h) in enumerate(sizes)]
 
 
-def with_loras(prompt: dict, loras: list) -> dict:
-    """The prompt with LoraLoaderModelOnly nodes chained after the loader: the model every other node takes from
-    the loader comes from the last of them (the conditioning node keeps the loader's, for its shapes)."""
-    prev = ["1", 0]
+def with_loras(prompt: dict, loras: list, after_quantize: bool = False) -> dict:
+    """The prompt with LoraLoaderModelOnly nodes chained after the loader (after_quantize: after Quantize FP8, where
+    the configuration has it): the model every node took from there comes from the last of them (the conditioning
+    node keeps the loader's, for its shapes)."""
+    quantize = next((nid for nid, n in prompt.items() if n["class_type"] == "FluxAccelQuantizeFP8"), None)
+    source = [quantize, 0] if after_quantize and quantize else ["1", 0]
+    prev = source
     for i, (name, strength) in enumerate(loras):
         prompt[f"lora{i}"] = {"class_type": "LoraLoaderModelOnly",
                               "inputs": {"model": prev, "lora_name": name, "strength_model": strength}}
         prev = [f"lora{i}", 0]
     for nid, node in prompt.items():
         if not nid.startswith("lora") and node["class_type"] != "FluxAccelSyntheticConditioning" \
-                and node["inputs"].get("model") == ["1", 0]:
+                and node["inputs"].get("model") == source:
             node["inputs"]["model"] = prev
     return prompt
 
@@ -93,6 +97,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=0, metavar="N", help="lora: N strength changes in a row instead")
     ap.add_argument("--out", help="folder for the JSON (default: bench/results on a GPU, .cache/bench-results on the CPU)")
     ap.add_argument("--models-dir", default=str(ROOT / ".cache" / "models"))
+    ap.add_argument("--lora-after-quantize", action="store_true",
+                    help="lora: the LoRA nodes after Quantize FP8 instead of before it (configurations without it: "
+                         "after the loader, as usual)")
     ap.add_argument("--dynamic-tokens", action="store_true", help="the server compiles each block kind once for every "
                     "token count ($FLUXACCEL_DYNAMIC_TOKENS=1): the A/B against per-shape compiles")
     a = ap.parse_args(argv)
@@ -113,7 +120,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tag = "cpu" if not gpu else gpu.lower().replace(" ", "-")
     start, start_detail = server_start()
-    seq = f"{a.sequence}{a.repeat or ''}{'-dynamic-tokens' if a.dynamic_tokens else ''}"
+    seq = (f"{a.sequence}{a.repeat or ''}{'-after-quantize' if a.lora_after_quantize else ''}"
+           f"{'-dynamic-tokens' if a.dynamic_tokens else ''}")
     path = out / f"{tag}-{case_name}-changes-{seq}-{'-'.join(a.configs)}-{start}.json"
     meta = {"case": case_name, "gpu": gpu or "cpu", "sequence": seq,
             "command": "python tools/changes.py " + " ".join(map(shlex.quote, argv if argv is not None else sys.argv[1:])),
@@ -145,7 +153,7 @@ def main(argv=None) -> int:
                         seed += 1
                         prompt = prompt_for(config, case, unet_name, seed, flux2)
                         if a.sequence == "lora":
-                            prompt = with_loras(prompt, setting)
+                            prompt = with_loras(prompt, setting, a.lora_after_quantize)
                         else:
                             prompt["4"]["inputs"].update(width=setting[0], height=setting[1])
                         log_at = server.log_path.stat().st_size if server.log_path.exists() else 0
