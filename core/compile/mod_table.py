@@ -35,6 +35,7 @@ import torch
 from torch.library import wrap_triton
 
 from ..models import swaps
+from ..models.generations import of_model
 from ..quant.act_quant import _register as register_triton_op
 from .call_graphs import cuda_capture, weight_addresses
 from .single_block import source_hash  # SHA-256 of a class's forward source (how single_block knows its forward)
@@ -277,6 +278,7 @@ class ModTable:
         self.hits = torch.zeros((), dtype=torch.int64, device=device)  # rows matched (counted on the device)
         self.looked, self.builds, self.build_s, self.short, self.patched = 0, 0, 0.0, "", False
         self.run, self.layout = None, None  # the sample_sigmas the table holds, and its first call's batch layout
+        self.generations, self.sources, self.built_from = None, (), None  # the weights' generations it was built from
         self.per_call = False  # whether the run's modulation weights are patched at every call (not looked up)
         self.builder = BuildGraph(cuda_capture if torch.device(device).type == "cuda" else None)
 
@@ -284,7 +286,7 @@ class ModTable:
         """Pickled (a separate compile process rebuilds the model from its skeleton) without the sigma-to-timestep
         function (the model's sampling object, which may be a class made inside a function) and the run: another
         process compiles the call, it builds no table."""
-        return {**self.__dict__, "timestep_of": None, "run": None}
+        return {**self.__dict__, "timestep_of": None, "run": None, "generations": None}
 
     def prepare(self, dm, call) -> bool:
         """Before a call (runner.ModelCall; host side): the table built at a sampling run's first call; whether this
@@ -297,13 +299,21 @@ class ModTable:
             guidance = guidance if guidance is not None and dm.params.guidance_embed else None
             # the call's batch and its inputs' dtypes (None: not passed, or not read)
             layout = (batch, getattr(y, "dtype", None), getattr(guidance, "dtype", None))
-            if sigmas is not self.run:  # a new run: its weights checked, its table built (once per run)
+            if sigmas is not self.run or self._weights_written():  # a new run, or its weights written since the build
                 self.run, self.layout, self.per_call = sigmas, layout, self._patched_per_call()
                 if not self.per_call:
                     self._build(dm, (x.dtype, timestep.dtype), sigmas, batch, y, guidance)
             usable = not self.per_call and layout == self.layout
         self.looked += batch
         return usable
+
+    def _weights_written(self) -> bool:
+        """Whether one of the modulation weights the table was built from has been written since (generations.py:
+        a LoRA change, a hook keyframe): the one signal, whatever the sigmas."""
+        gens = self.generations
+        if gens is None or self.built_from is None or gens.version == self.built_from[0]:
+            return False
+        return tuple(gens[k] for k in self.sources) != self.built_from[1]
 
     def _patched_per_call(self) -> bool:
         """Whether ComfyUI now patches a modulation weight at every call (a LoRA applied after the Compile node, on a
@@ -336,6 +346,8 @@ class ModTable:
         t = ts[:steps].repeat_interleave(batch)  # row r: sigma r // batch, batch entry r % batch
         y_rows = None if y is None else y[:, :self.y_width].repeat(steps, 1)
         g_rows = None if guidance is None else guidance.flatten().repeat(steps)
+        if self.generations is not None:
+            self.built_from = (self.generations.version, tuple(self.generations[k] for k in self.sources))
         self.builder(dm, self.modules, (t, y_rows, g_rows), dtype)  # one GEMM per modulation: weights read once a run
         for keys, rows in ((self.t_keys, t), (self.g_keys, g_rows), (self.y_keys, y_rows)):
             keys.fill_(float("nan"))
@@ -429,12 +441,15 @@ def install(clone, model, dm: torch.nn.Module, device: torch.device) -> ModTable
     """A table for `clone` (a clone of `model` the Compile node made, why_not_here() ''): each block modulation
     swapped for a TableModulation through an object patch (the input model and other branches keep ComfyUI's)."""
     table = ModTable(model.model.model_sampling.timestep, dm.params.vec_in_dim, device)
-    swapped = {}
+    table.generations = of_model(model.model)  # rebuilt when one of its weights is written (a LoRA, a hook keyframe)
+    swapped, sources = {}, []
     for name, original in modulations(dm, functools.partial(swaps.original, model)):
         # ComfyUI computes in its manual-cast dtype where it stores weights in another (e.g. bf16 weights on a CPU)
         dtype = getattr(model.model, "manual_cast_dtype", None) or original.lin.weight.dtype
         swapped[f"diffusion_model.{name}"] = m = TableModulation(original, table, device, dtype)
         table.modules.append(m)
+        sources += [f"diffusion_model.{name}.lin.{p}" for p in ("weight", "bias") if getattr(m.lin, p, None) is not None]
+    table.sources = tuple(sources)
     swaps.add(clone, swapped)  # one object patch per block, with the FP8 Linears already swapped there
     table.swapped = swapped  # what another clone of the compiled model gets (for_clone's `earlier`)
     return table

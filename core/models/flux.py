@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from comfy.patcher_extension import CallbacksMP, WrappersMP
+from comfy.patcher_extension import CallbacksMP
 import torch
 
 from ..errors import FluxAccelError
@@ -63,10 +63,6 @@ def require_bf16_weights(modules, node: str) -> None:
 
 def on_load_callback_type() -> str:
     return CallbacksMP.ON_LOAD
-
-
-def prepare_sampling_type() -> str:
-    return WrappersMP.PREPARE_SAMPLING
 
 
 def partial_load_guard(node: str):

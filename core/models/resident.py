@@ -5,8 +5,10 @@ addresses are not fixed. FluxAccel works on a plain ModelPatcher of the same mod
 its non-dynamic delegate, loads the checkpoint file a second time: a second host copy of every weight (2 x 64 GB for
 FLUX.2 [dev]). FluxAccel builds that resident model from the dynamic one instead: new module objects whose
 parameters share the dynamic model's storage (for UNETLoader files, comfy-aimdo's mapping of the file), so nothing
-is read or copied until ComfyUI moves the weights to the GPU. It is kept where ComfyUI keeps its delegate, so every
-later call (and `get_non_dynamic_delegate`) reuses it.
+is read or copied until ComfyUI moves the weights to the GPU. It is built once per dynamic model (BaseModel) and kept
+where ComfyUI keeps each patcher's delegate, so every clone of that model -- a LoRA node's, another strength's --
+resolves to the same resident model, with the same patch backups, as clones of a plain model do: ComfyUI then switches
+between them as between clones (and FluxAccel's FP8 Linears and compiled model are found again).
 
 Where this ComfyUI keeps the delegate elsewhere, or the dynamic model's weights are not where the file put them,
 FluxAccel says so and uses ComfyUI's delegate (the second host copy).
@@ -51,6 +53,8 @@ def _unpatched(model) -> str:
 
 
 _SHARED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # the resident copies built here (for the log)
+_STANDS_IN: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # every BaseModel resident() gave for a dynamic one
+KEPT = "_fluxaccel_resident"  # on the dynamic BaseModel: its resident model and patch backups (a delegate override)
 
 RELOAD = ("FluxAccel uses ComfyUI's non-dynamic delegate: the checkpoint is loaded once more (a second host copy of "
           "its weights)")
@@ -67,7 +71,7 @@ def shared_copy(model) -> torch.nn.Module | Unavailable | str:
         if why:
             return f"its weights are not as stored after unloading: {why}"
     base = model.model
-    copy = torch_internals.share_module_tree(base, drop=comfy_internals.DYNAMIC_MODULE_STATE)
+    copy = torch_internals.share_module_tree(base, drop=comfy_internals.DYNAMIC_MODULE_STATE + (KEPT,))
     if isinstance(copy, Unavailable):
         return copy
     for name in comfy_internals.patcher_model_state(base):  # ModelPatcher.__init__ starts these afresh
@@ -81,16 +85,21 @@ def shared_copy(model) -> torch.nn.Module | Unavailable | str:
 def resident(model, node: str):
     """The model with fixed, fully resident weights that FP8 copies and CUDA graphs need.
 
-    A dynamic-VRAM patcher gives a plain ModelPatcher of the same weights, patches, options and wrappers (built once
-    per dynamic patcher and kept by it, sharing the weights' storage; ComfyUI's reloading delegate where that cannot
-    be done). Any other model is returned as it is.
+    A dynamic-VRAM patcher gives a plain ModelPatcher of the same weights, patches, options and wrappers: one resident
+    model per dynamic model, sharing the weights' storage (ComfyUI's reloading delegate where that cannot be done),
+    kept by each of its patchers. Any other model is returned as it is.
     """
     if not is_dynamic(model):
         return model
     kept = comfy_internals.kept_delegate(model)
-    if kept is None:  # not built yet: share the dynamic model's weights
-        copy = shared_copy(model)
-        kept = comfy_internals.keep_delegate(model, copy) if isinstance(copy, torch.nn.Module) else copy
+    if kept is None:  # this patcher has none yet: its model's, else one sharing the dynamic model's weights
+        shared = model.model.__dict__.get(KEPT)
+        if shared is None:
+            copy = shared_copy(model)
+            shared = comfy_internals.delegate_override(model, copy) if isinstance(copy, torch.nn.Module) else copy
+            if isinstance(shared, tuple):
+                model.model.__dict__[KEPT] = shared
+        kept = comfy_internals.keep_delegate(model, shared) if isinstance(shared, tuple) else shared
     if isinstance(kept, Unavailable):
         say(kept, RELOAD)
     elif isinstance(kept, str):
@@ -105,6 +114,9 @@ def resident(model, node: str):
     if is_dynamic(delegate):
         raise FluxAccelError(f"{node}: ComfyUI returned a dynamic-VRAM model where a resident one was asked for "
                              f"({type(delegate).__name__}); start ComfyUI with --disable-dynamic-vram.")
+    _STANDS_IN.add(delegate.model)
+    if KEPT not in model.model.__dict__ and isinstance(comfy_internals.kept_delegate(model), tuple):
+        model.model.__dict__[KEPT] = comfy_internals.kept_delegate(model)  # ComfyUI's reload, kept for its clones too
     if delegate.model in _SHARED:
         log.info("FluxAccel: %s works on a resident copy of this dynamic-VRAM model that shares its weights (no "
                  "second host copy)", node)
@@ -112,3 +124,8 @@ def resident(model, node: str):
         log.info("FluxAccel: %s works on ComfyUI's non-dynamic delegate of this dynamic-VRAM model (its weights "
                  "take host RAM once more)", node)
     return delegate
+
+
+def stands_in_for_dynamic(base) -> bool:
+    """Whether this BaseModel is one resident() gave for a dynamic-VRAM model (its copy, or ComfyUI's delegate)."""
+    return base in _STANDS_IN

@@ -22,6 +22,7 @@ log = logging.getLogger("fluxaccel.patches")
 
 BLOCK_LISTS = ("double_blocks", "single_blocks")
 _SWAPS = "_fluxaccel_swaps"  # a block copy's {relative name: swapped module}
+_HOLDS = "_fluxaccel_holds"  # a block copy's objects kept alive while it is (the FP8 set whose Linears it runs)
 
 
 def block_of(key: str) -> tuple[str, str] | None:
@@ -77,8 +78,9 @@ def _shallow(module: torch.nn.Module) -> torch.nn.Module:
     return new
 
 
-def _block_copy(block: torch.nn.Module, swaps: dict) -> torch.nn.Module:
-    """`block` with `swaps` ({name inside it: module}) in place, every module on their paths copied (_shallow)."""
+def _block_copy(block: torch.nn.Module, swaps: dict, holds: tuple = ()) -> torch.nn.Module:
+    """`block` with `swaps` ({name inside it: module}) in place, every module on their paths copied (_shallow);
+    `holds`: objects the copy keeps alive (while a clone or ComfyUI's loaded module tree has it)."""
     root = _shallow(block)
     copied = {id(root)}
     for name, module in swaps.items():
@@ -93,6 +95,7 @@ def _block_copy(block: torch.nn.Module, swaps: dict) -> torch.nn.Module:
             parent = child
         setattr(parent, last, module)
     root.__dict__[_SWAPS] = dict(swaps)
+    root.__dict__[_HOLDS] = tuple(holds)
     return root
 
 
@@ -104,17 +107,22 @@ def _foreign_inside(model, block_key: str) -> bool:
         k.startswith(f"{block_key}.") for k in model.object_patches)
 
 
-def _set_block(clone, block_key: str, swaps: dict) -> None:
+def _set_block(clone, block_key: str, swaps: dict, holds: tuple = ()) -> None:
     if not swaps:
         clone.object_patches.pop(block_key, None)
         return
     block = original(clone, block_key)
-    clone.add_object_patch(block_key, _block_copy(block, swaps))
+    clone.add_object_patch(block_key, _block_copy(block, swaps, holds))
 
 
-def add(clone, modules: dict[str, object]) -> None:
+def _holds(obj) -> tuple:
+    return obj.__dict__.get(_HOLDS, ()) if isinstance(obj, torch.nn.Module) else ()
+
+
+def add(clone, modules: dict[str, object], holder=None) -> None:
     """Swap each module key's module for the given object on this clone (never on the model it was cloned from):
-    inside FLUX blocks one object patch per block, elsewhere one per module."""
+    inside FLUX blocks one object patch per block, elsewhere one per module. `holder`: an object the block patches
+    keep alive (the FP8 set whose Linears they run)."""
     by_block: dict[str, dict] = {}
     one_by_one = set()
     for key, obj in modules.items():
@@ -128,7 +136,9 @@ def add(clone, modules: dict[str, object]) -> None:
         log.info("FluxAccel: %d blocks hold another node's object patches (e.g. %s): their modules are swapped one "
                  "patch each (ComfyUI re-applies each at every prompt)", len(one_by_one), min(one_by_one))
     for block_key, swaps in by_block.items():
-        _set_block(clone, block_key, {**(swapped_in(clone.object_patches.get(block_key)) or {}), **swaps})
+        had = clone.object_patches.get(block_key)
+        holds = tuple({id(h): h for h in (*_holds(had), *((holder,) if holder is not None else ()))}.values())
+        _set_block(clone, block_key, {**(swapped_in(had) or {}), **swaps}, holds)
 
 
 def regroup(clone, keys) -> None:
@@ -146,6 +156,7 @@ def remove(clone, keys) -> None:
         else:
             by_block.setdefault(where[0], set()).add(where[1])
     for block_key, names in by_block.items():
-        swaps = swapped_in(clone.object_patches.get(block_key))
+        had = clone.object_patches.get(block_key)
+        swaps = swapped_in(had)
         if swaps is not None:
-            _set_block(clone, block_key, {n: m for n, m in swaps.items() if n not in names})
+            _set_block(clone, block_key, {n: m for n, m in swaps.items() if n not in names})  # (holds dropped)

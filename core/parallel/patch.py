@@ -21,7 +21,10 @@ from ..compile.progress import cancelled
 from ..compile.wrappers import outer, run_around
 from ..errors import FluxAccelError
 from ..models.flux import FluxModel
+from ..models import swaps
+from ..models.generations import stamp
 from ..models.loaded import PARALLEL_KEY
+from ..models.patcher import own_clone
 from ..quant.patch import fp8_state
 from ..upstream import comfy_internals
 from .config import ParallelConfig
@@ -68,7 +71,7 @@ class ParallelFlux(torch.nn.Module):
         options = named.pop("transformer_options", None) or {}
         self._refuse(named, options)
         starts = self.workers.starts
-        self.stats["weights_sent"] += self.workers.ready(self.dm, self._written_in_place, tell=self._tell)
+        self.stats["weights_sent"] += self.workers.ready(self.dm, self._stamp, kind_of(self.model), tell=self._tell)
         self.stats["worker_starts"] += self.workers.starts - starts
         x = named["x"]
         args = {k: v for k, v in named.items() if k != "control"}
@@ -98,14 +101,9 @@ class ParallelFlux(torch.nn.Module):
                 f"calls not captured into CUDA graphs; "
                 f"workers {state}; {self.stats['calls']} call(s) so far")
 
-    def _written_in_place(self, name: str):
-        """What changes when a weight (state_dict name) is written in place: FluxAccel's FP8 merges of its Linear;
-        where ComfyUI patches weights in place (lowvram), which clone's patches it holds. None: only replaced."""
-        store = getattr(fp8_state(self.model), "store", None)
-        module = name.rsplit(".", 1)[0]
-        if store is not None and module in store.modules:
-            return store.generations.get(module, 0)
-        return comfy_internals.weight_patches_uuid(self.model.model) if self.model.weight_inplace_update else None
+    def _stamp(self, name: str) -> tuple[int, int]:
+        """A weight's (state_dict name) generation stamp: what tells the workers it was written since they got it."""
+        return stamp(self.model, f"diffusion_model.{name}")
 
     def _refuse(self, named: dict, options: dict) -> None:
         if named.get("control") is not None:
@@ -123,6 +121,15 @@ class ParallelFlux(torch.nn.Module):
         if named.get("ref_latents") is not None and method == "index_timestep_zero":
             raise FluxAccelError(f"{self.node}: reference latents at timestep zero (ref_latents_method "
                                  f"'index_timestep_zero') cannot run across GPUs yet. Remove the Parallel node.")
+
+
+def kind_of(clone) -> tuple:
+    """What the workers' model is made of for this clone besides the loaded model's own Linears: its FP8 config and
+    the activations fused into FP8 Linears (or none), and other nodes' object patches, by identity."""
+    state = fp8_state(clone)
+    ours = set(state.keys + state.fused_keys) if state is not None else set()
+    fp8 = (tuple(state.config.key()), state.fused_keys) if state is not None else None
+    return fp8, tuple(sorted((k, id(v)) for k, v in swaps.items(clone) if k not in ours))
 
 
 def devices_for(cfg: ParallelConfig, load_device: torch.device, node: str) -> list[str]:
@@ -153,10 +160,10 @@ def apply_parallel(model, cfg: ParallelConfig, node: str = NODE):
     if heads % cfg.gpus:
         raise FluxAccelError(f"{node}: this model's {heads} attention heads do not split over {cfg.gpus} GPUs. Set "
                              f"gpus to a divisor of {heads}.")
-    clone = flux.model.clone()
+    clone = own_clone(flux.model)  # (ComfyUI's weight writes counted: generations.py)
     kept = _WORKERS.setdefault(flux.model.model, {})  # one set of workers per loaded model and config: another
     workers = kept.get(cfg) or kept.setdefault(cfg, Workers(cfg, devices_for(cfg, flux.device, node), node))
-    parallel = ParallelFlux(clone, workers, node)  # LoRA strength gets them, and only the weights that changed
+    parallel = ParallelFlux(clone, workers, node)  # LoRA strength gets them, and only the weights written
     clone.add_wrapper_with_key(WrappersMP.APPLY_MODEL, PARALLEL_KEY,
                                comfy_internals.swap_in_wrapper({"diffusion_model": parallel}))
     clone.set_attachments(PARALLEL_KEY, parallel)

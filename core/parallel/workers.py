@@ -61,16 +61,12 @@ def launch(devices: list[str], job: dict, work: Path) -> list[subprocess.Popen]:
     return procs
 
 
-def changed_weights(dm: torch.nn.Module, sent: dict, marker) -> dict:
-    """The weights (state_dict names, CPU copies) whose tensor or contents changed since they were last sent (`sent`:
-    name -> mark, updated): another tensor (ComfyUI patches a weight by replacing it), or an in-place write (counted
-    by the tensor's version, or told by `marker(name)`)."""
+def changed_weights(dm: torch.nn.Module, sent: dict, stamp_of) -> dict:
+    """The weights (state_dict names, CPU copies) written since they were last sent (`sent`: name -> stamp, updated):
+    `stamp_of(name)` is the weight's generation stamp (models/generations.py), the one signal of a write."""
     out = {}
     for name, t in dm.state_dict(keep_vars=True).items():
-        version = torch_internals.tensor_version(t)
-        if isinstance(version, Unavailable):
-            say(version, "a weight written in place reaches the parallel workers only where FluxAccel wrote it")
-        mark = (id(t), t.data_ptr(), version if isinstance(version, int) else marker(name))
+        mark = stamp_of(name)
         if sent.get(name) != mark:
             out[name] = t.detach().cpu()
             sent[name] = mark
@@ -85,13 +81,16 @@ class Workers:
         self.procs: list[subprocess.Popen] = []
         self.conns: list = []
         weakref.finalize(self, _end, self.procs, self.conns)  # the workers end with the model they serve
-        self.sent: dict[str, tuple] = {}  # weight name -> its (tensor identity, version) when last sent
+        self.sent: dict[str, tuple] = {}  # weight name -> its generation stamp when last sent
+        self.holds = None  # what the model they hold is made of besides the loaded weights (patch.py: kind_of)
+        self.rebuilds = 0
         self.starts = self.calls = 0
         self.compiled_graphs: int | None = 0  # graphs rank 0 has compiled (its blocks; None: cannot tell)
         self.work: tempfile.TemporaryDirectory | None = None
 
-    def start(self, dm: torch.nn.Module, marker, tell=log.info) -> None:
-        """Start the workers and give them the model (its skeleton, then every weight; `marker` as ready takes it)."""
+    def start(self, dm: torch.nn.Module, stamp_of, holds, tell=log.info) -> None:
+        """Start the workers and give them the model (its skeleton, then every weight; `stamp_of` as ready takes
+        it)."""
         self.stop()
         t0 = time.perf_counter()
         blob, _ = skeleton.dumps(dm)
@@ -106,53 +105,42 @@ class Workers:
                    f"file://{work / 'group'}", "timeout_s": self.cfg.timeout_s, "compile_blocks":
                    self.cfg.compile_blocks, "flags": pickle.dumps(flags)}  # (flags: read once the path is set)
             self.procs.extend(launch(self.devices, job, work))
-            self.conns[:] = self._connections(listener)
+            self.conns[:] = _connections(self, listener)
         finally:
             listener.close()
-        weights = changed_weights(dm, self.sent, marker)
-        tell(f"{len(self.devices)} workers started; sending them the model ({len(weights)} tensors, "
-             f"{sum(t.numel() * t.element_size() for t in weights.values()) / 1024**3:.2f} GiB)")
-        self._all(("model", blob, weights), "taking the model")
+        tell(f"{len(self.devices)} workers started")
+        self._give_model(dm, stamp_of, holds, tell, blob)
         self.starts += 1
         tell(f"{len(self.devices)} workers ready in {time.perf_counter() - t0:.1f} s")
 
-    def _connections(self, listener: Listener) -> list:
-        """Each worker's connection, by rank; a worker that exits before connecting ends the start with its log."""
-        got: queue.Queue = queue.Queue()
+    def _give_model(self, dm: torch.nn.Module, stamp_of, holds, tell, blob=None) -> None:
+        """Give the running workers the model afresh: its skeleton and every weight."""
+        if blob is None:
+            blob, _ = skeleton.dumps(dm)
+        self.sent.clear()
+        weights = changed_weights(dm, self.sent, stamp_of)
+        tell(f"sending the workers the model ({len(weights)} tensors, "
+             f"{sum(t.numel() * t.element_size() for t in weights.values()) / 1024**3:.2f} GiB)")
+        self._all(("model", blob, weights), "taking the model")
+        self.holds = holds
 
-        def accept():
-            try:
-                for _ in self.devices:
-                    conn = listener.accept()
-                    got.put((recv(conn)[1], conn))
-            except OSError:  # the listener closed: the start failed
-                pass
-
-        threading.Thread(target=accept, name="fluxaccel-parallel-accept", daemon=True).start()
-        conns, deadline = [None] * len(self.devices), time.monotonic() + self.cfg.timeout_s
-        while None in conns:
-            self._check_alive("starting")
-            if time.monotonic() > deadline:
-                tail = self._log_tail()
-                self.stop()
-                raise WorkerDied(f"{self.node}: the workers did not start within {self.cfg.timeout_s:.0f} s{tail}")
-            try:
-                rank, conn = got.get(timeout=0.2)
-                conns[rank] = conn
-            except queue.Empty:
-                pass
-        return conns
-
-    def ready(self, dm: torch.nn.Module, marker, tell=log.info) -> int:
-        """Make the workers ready for a call of `dm`: started with the model where none runs; else given the weights
-        that changed since the last call (ComfyUI patched another LoRA strength in). Returns how many weights were
-        sent. A worker that died since the last call is reported (WorkerDied); the next call starts them again.
-        `marker(name)`: what tells an in-place change of a weight whose writes cannot be counted."""
+    def ready(self, dm: torch.nn.Module, stamp_of, holds, tell=log.info) -> int:
+        """Make the workers ready for a call of `dm`: started with the model where none runs; given the model afresh
+        where the clone's model is made of other parts than theirs (`holds`: another FP8 config or none, another
+        fused layout, other object patches); else given exactly the weights written since the last call
+        (`stamp_of(name)`: the weight's generation stamp). Returns how many weights were sent. A worker that died
+        since the last call is reported (WorkerDied); the next call starts them again."""
         if not self.procs:
-            self.start(dm, marker, tell)
+            self.start(dm, stamp_of, holds, tell)
             return 0
         self._check_alive("waiting for the next model call")
-        changed = changed_weights(dm, self.sent, marker)
+        if holds != self.holds:
+            tell("this model's layers differ from those the workers hold (another FP8 config or none, or other "
+                 "patched modules): they take the model afresh")
+            self._give_model(dm, stamp_of, holds, tell)
+            self.rebuilds += 1
+            return 0
+        changed = changed_weights(dm, self.sent, stamp_of)
         if changed:
             self._all(("weights", changed), "taking changed weights")
         return len(changed)
@@ -223,9 +211,38 @@ class Workers:
         """End every worker (a stop message, then kill what still runs after `wait_s`)."""
         _end(self.procs, self.conns, wait_s)
         self.sent.clear()
+        self.holds = None
         if self.work is not None:
             self.work.cleanup()
             self.work = None
+
+
+def _connections(workers: "Workers", listener: Listener) -> list:
+    """Each worker's connection, by rank; a worker that exits before connecting ends the start with its log."""
+    got: queue.Queue = queue.Queue()
+
+    def accept():
+        try:
+            for _ in workers.devices:
+                conn = listener.accept()
+                got.put((recv(conn)[1], conn))
+        except OSError:  # the listener closed: the start failed
+            pass
+
+    threading.Thread(target=accept, name="fluxaccel-parallel-accept", daemon=True).start()
+    conns, deadline = [None] * len(workers.devices), time.monotonic() + workers.cfg.timeout_s
+    while None in conns:
+        workers._check_alive("starting")
+        if time.monotonic() > deadline:
+            tail = workers._log_tail()
+            workers.stop()
+            raise WorkerDied(f"{workers.node}: the workers did not start within {workers.cfg.timeout_s:.0f} s{tail}")
+        try:
+            rank, conn = got.get(timeout=0.2)
+            conns[rank] = conn
+        except queue.Empty:
+            pass
+    return conns
 
 
 def log_tail(path: Path) -> str:

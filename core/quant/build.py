@@ -20,20 +20,12 @@ from .source import Linears
 log = logging.getLogger("fluxaccel.fp8")
 
 
-class Kept(dict):
-    """Weight patches merged into FP8 weights, kept for remove_fp8: (possibly large, never mutated) tensors, shared
-    rather than copied should anything deep-copy the state."""
-
-    def __deepcopy__(self, memo):
-        return self
-
-
 @dataclass
 class Built:
     """The new Linears by diffusion-model name, and the weight patches merged into them (patch key -> patches)."""
 
     modules: dict[str, torch.nn.Module] = field(default_factory=dict)
-    merged: Kept = field(default_factory=Kept)
+    merged: dict = field(default_factory=dict)
 
 
 def fp8_linears(linears: Linears, cfg: Fp8Config, report: Fp8Report) -> Built:

@@ -1,7 +1,8 @@
 """The FP8 Linear as ComfyUI runs it: a quantized copy of one of ComfyUI's Linear op classes (quantize_linear) whose
-weights move between devices as ComfyUI loads and unloads the model, keep their FP8 dtype, and refuse weight
-patches (LoRA) that arrive after quantization -- the hooks ComfyUI calls on a Linear (Module._apply,
-convert_weight/set_weight, weight_function). Numerics are fp8.py's (torchao)."""
+weights move between devices as ComfyUI loads and unloads the model and keep their FP8 dtype; weight patches (LoRA)
+reach it through FluxAccel's patcher (models/patcher.py -> quant/store.py), and any other way of patching it is
+refused -- the hooks ComfyUI calls on a Linear (Module._apply, comfy_patched_weights, convert_weight/set_weight,
+weight_function). Numerics are fp8.py's (torchao)."""
 from __future__ import annotations
 
 import copy
@@ -44,15 +45,20 @@ class _Fp8Linear:
             self._buffers["fp8_weight_scale"] = scale.to(target)
         return self
 
+    # ComfyUI's load skips a module it marked as patched (comfy_patched_weights) until it unpatches the model. An FP8
+    # Linear is shared by the clones of its set, so it is never marked: every load asks FluxAccel's patcher for its
+    # weights, which merges them only where the loading clone's patches differ from what the Linear holds.
+    comfy_patched_weights = property(lambda self: False, lambda self, value: None, lambda self: None)
+
     def convert_weight(self, weight, inplace=False, **kwargs):
-        """ComfyUI calls this (found by get_key_weight) when it applies a weight patch (LoRA, ...) to this Linear,
-        before computing the patched weight. Patches reach FluxAccel's FP8 Linears through quant/store.py (merged in
-        place when the clone loads for a sampler); one that reaches ComfyUI's own patching here -- the model loaded
-        outside a sampler -- is refused, rather than patched into FP8 data or dropped."""
+        """ComfyUI calls this (found by get_key_weight) when its own weight patching reaches this Linear. FluxAccel's
+        patcher merges patches into FP8 Linears itself (models/patcher.py); a patch that reaches ComfyUI's own code
+        here came another way (a patcher of another class, a per-call weight function) and is refused, rather than
+        patched into FP8 data or dropped."""
         raise FluxAccelError(
-            "A LoRA (or another weight patch) reaches a Linear that Quantize FP8 (FluxAccel) quantized, outside "
-            "ComfyUI's sampler, where FluxAccel cannot merge it. Put LoraLoaderModelOnly (and other weight-patching "
-            "nodes) before Quantize FP8 (FluxAccel), or sample the model with a KSampler.")
+            "A weight patch reaches a Linear that Quantize FP8 (FluxAccel) quantized through a path FluxAccel does not "
+            "merge (a model patcher of another node's class, or a per-call weight function). Put that node before "
+            "Quantize FP8 (FluxAccel), or report which node it is.")
 
     set_weight = convert_weight
 

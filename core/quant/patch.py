@@ -7,9 +7,10 @@ Why object patches on a clone:
     move the model: only the modules in the live tree go to the GPU, i.e. the FP8 copies, not FP8 + bf16.
 
 The run, top to bottom: the checked resident model (models/flux.py) -> its Linears as this clone runs them
-(source.py) -> their FP8 copies (build.py: ComfyUI merges the LoRAs, torchao or the FP8 weights cache quantizes)
--> the MLP activations moved into them (act_fusion.py) -> all of it on a clone, one object patch per block
-(models/swaps.py).
+(source.py) -> their FP8 copies, one set per loaded model and config (store.py; build.py: ComfyUI merges the LoRAs,
+torchao or the FP8 weights cache quantizes) -> the MLP activations moved into them (act_fusion.py) -> all of it on a
+clone of FluxAccel's patcher class, one object patch per block (models/swaps.py), the set as the clone's weights
+owner: ComfyUI's load merges the clone's weight patches into the FP8 Linears (models/patcher.py).
 """
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 
 from ..env import require_fp8_device, require_torch, require_torchao
 from ..models import swaps
-from ..models.flux import FluxModel, on_load_callback_type, partial_load_guard, prepare_sampling_type
+from ..models.flux import FluxModel, on_load_callback_type, partial_load_guard
+from ..models.patcher import own_clone, remove_owner, set_owner
 from . import source, store
-from .build import Kept
 from .fp8 import Fp8Config
 from .report import Fp8Report
 
@@ -32,41 +33,9 @@ FP8_KEY = "fluxaccel_fp8"  # ModelPatcher attachment (Fp8State), ON_LOAD callbac
 NODE = "Quantize FP8 (FluxAccel)"
 
 
-LATE = "fluxaccel_late_patches"  # the ModelPatcher attribute that holds, while it samples, the patches taken off
-
-
-def _merged_when_sampling(executor, model, *args, **kwargs):
-    """A PREPARE_SAMPLING wrapper (ComfyUI's sampler runs it before it loads the model): weight patches a LoRA node
-    added after Quantize FP8 on the FP8 Linears are taken off the clone while it samples (ComfyUI's load must not
-    patch FP8 data), for the load to merge them in place (_on_load), and put back after."""
-    state = fp8_state(model)
-    ours = set(state.store.keys()) if state is not None and state.store is not None else set()
-    late = {k: v for k, v in model.patches.items() if v and k in ours}
-    for k in late:
-        del model.patches[k]
-    setattr(model, LATE, late)
-    try:
-        return executor(model, *args, **kwargs)
-    finally:
-        model.patches.update(late)
-        setattr(model, LATE, {})
-
-
 def _on_load(node: str):
-    """An ON_LOAD callback: a partial (lowvram) load is refused; the FP8 Linears are brought to the loaded clone's
-    weight patches in place -- those present when Quantize FP8 ran, then any a LoRA node added after it
-    (store.Fp8Store.sync: only where they differ from what the Linears hold)."""
-    guard = partial_load_guard(node)
-
-    def on_load(patcher, *args):
-        guard(patcher, *args)
-        state = fp8_state(patcher)
-        if state is None or state.store is None:
-            return
-        late = getattr(patcher, LATE, {})
-        state.store.sync(patcher, {k: list(state.merged_patches.get(k, ())) + list(late.get(k, ()))
-                                   for k in state.store.keys()})
-    return on_load
+    """An ON_LOAD callback: a partial (lowvram) load is refused (FP8 weights cannot be streamed per layer)."""
+    return partial_load_guard(node)
 
 
 @dataclass(frozen=True)
@@ -76,9 +45,7 @@ class Fp8State:
     config: Fp8Config
     keys: tuple[str, ...]  # the object-patch keys of the quantized (and dequantized) Linears
     report: Fp8Report
-    merged_patches: Kept  # weight patches merged into the FP8 weights, restored by remove_fp8
     fused_keys: tuple[str, ...] = ()  # the object-patch keys of the activations fused into FP8 Linears (Identity)
-    store: object = None  # the store.Fp8Store whose Linears these are
 
 
 def fp8_state(model) -> Fp8State | None:
@@ -106,22 +73,21 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
     require_fp8_device(flux.device)
 
     linears = source.read(flux, cfg)
-    shared, report, merged = store.for_clone(flux, linears, cfg)
+    shared, report = store.for_clone(flux, linears, cfg)
 
-    clone = flux.model.clone()
-    for key in merged:  # merged into the FP8 weights (store.sync), not by ComfyUI's load; kept for remove_fp8
-        clone.patches.pop(key)
+    # FluxAccel's patcher class: ComfyUI's load brings the FP8 Linears to this clone's weight patches (LoRAs before or
+    # after this node), which stay in clone.patches like any clone's (models/patcher.py)
+    clone = own_clone(flux.model)
+    set_owner(clone, shared)
     keys = tuple(f"diffusion_model.{n}" for n in shared.modules)
-    # one object patch per block: ComfyUI re-applies each at every prompt
-    swaps.add(clone, {**dict(zip(keys, shared.modules.values())), **shared.fused})
-    # A fresh patches_uuid makes ComfyUI unpatch/move the model when it switches between this clone and
-    # another one, so the GPU holds only the weights of the clone being run.
-    clone.patches_uuid = uuid.uuid4()
+    # one object patch per block (ComfyUI re-applies each at every prompt); the blocks hold the set while they run
+    swaps.add(clone, {**dict(zip(keys, shared.modules.values())), **shared.fused}, holder=shared)
+    # (own_clone's fresh patches_uuid makes ComfyUI unpatch the model when it switches between this clone and
+    # another one, so the GPU holds only the modules of the clone being run)
     clone.size = max(1, flux.model.model_size() - report.bytes_saved)
     # FP8 weights cannot be streamed per layer by ComfyUI's lowvram path
     clone.add_callback_with_key(on_load_callback_type(), FP8_KEY, _on_load(node))
-    clone.add_wrapper_with_key(prepare_sampling_type(), FP8_KEY, _merged_when_sampling)
-    clone.set_attachments(FP8_KEY, Fp8State(cfg, keys, report, merged, tuple(shared.fused), shared))
+    clone.set_attachments(FP8_KEY, Fp8State(cfg, keys, report, tuple(shared.fused)))
     log.info("%s", report.summary())
     return clone, report
 
@@ -133,10 +99,8 @@ def remove_fp8(model):
         return model
     clone = model.clone()
     swaps.remove(clone, (*prev.keys, *prev.fused_keys))
-    for key, patches in prev.merged_patches.items():
-        clone.patches[key] = list(patches)
     clone.remove_callbacks_with_key(on_load_callback_type(), FP8_KEY)
-    clone.remove_wrappers_with_key(prepare_sampling_type(), FP8_KEY)
+    remove_owner(clone)  # its weight patches are ComfyUI's again, on the bf16 Linears
     clone.remove_attachments(FP8_KEY)
     clone.patches_uuid = uuid.uuid4()
     clone.size = model.model_size() + prev.report.bytes_saved

@@ -1,15 +1,21 @@
-"""One set of FP8 Linears per loaded model and FP8 config, shared by all its clones, that follows each clone's weight
-patches in place.
+"""One set of FP8 Linears per loaded model and FP8 config, shared by its clones, written by ComfyUI's own weight
+patching.
 
 Quantize FP8 builds the FP8 Linears of a model once. Another clone of the same model with the same config (a LoRA's
 strength changed, a LoRA swapped, added, removed or stacked, before or after Quantize FP8) gets the same Linear
-objects; when sampling starts, sync() brings their FP8 data and scales to that clone's patches: each Linear whose
-patches differ from those merged into it now is merged again from its stored bf16 weight (ComfyUI's own weight
-patching, source.patched) and quantized into its existing buffers. The buffers keep their
-addresses, so a compiled model's kernels and CUDA graphs stay valid, and no second copy of the weights is made.
+objects. The clone keeps its weight patches in `model.patches` like any clone; when ComfyUI loads it, its
+patch_weight_to_device reaches each FP8 weight key (models/patcher.py) and `bring` merges the clone's patches into
+that Linear from its stored bf16 weight (ComfyUI's own weight patching, source.patched) and quantizes the result into
+the existing buffers -- only where they differ from what the Linear holds. The buffers keep their addresses: a
+compiled model's kernels and CUDA graphs stay valid, and no second copy of the weights is made. Each merge raises the
+Linear's generation (models/generations.py), which the modulation table and the Parallel workers read.
 
 A patch list is known by what it holds: each patch's strengths, offset and function, and its data by identity (the
-store keeps the lists it merged, so an identity cannot be taken by another object meanwhile).
+set keeps the lists it merged, so an identity cannot be taken by another object meanwhile). ComfyUI's hook LoRAs
+(patched while sampling, per keyframe) are a second stage on top of the clone's patches, as ComfyUI applies them.
+
+Lifetime: the sets of a model are found through a weak map on its BaseModel; a set lives while a clone refers to it
+(its attachment) or ComfyUI runs its Linears (the block patches in the loaded module tree hold it).
 """
 from __future__ import annotations
 
@@ -22,8 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models import swaps
+from ..models.generations import Generations
+from ..upstream import Unavailable, comfy_internals
 from . import act_fusion, build
-from .build import Kept
 from .fp8 import Fp8Config
 from .linear import is_fp8_linear, quantize_linear
 from .report import Fp8Report
@@ -31,19 +38,29 @@ from .source import Linears, patched
 
 log = logging.getLogger("fluxaccel.fp8")
 
-_STORES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # BaseModel -> {config key: Fp8Store}
+SETS = "_fluxaccel_fp8_sets"  # the BaseModel's WeakValueDictionary: config key -> Fp8Store
+PREFIX = "diffusion_model."
 
 
-def fingerprint(patches: list | None) -> tuple:
+def fingerprint(patches) -> tuple:
     """What a key's patch list merges: each patch's strength, data (by identity), model strength, offset, function."""
     return tuple((p[0], id(p[1]), p[2], p[3], id(p[4]) if len(p) > 4 else None) for p in patches or ())
+
+
+def _stages_print(stages: tuple) -> tuple:
+    return tuple(fingerprint(s) for s in stages)
+
+
+class HookStage(tuple):
+    """A hook LoRA's patches on an FP8 weight, as ComfyUI's hook cache keeps them for a hook group (value, device)."""
 
 
 @dataclass(eq=False)
 class Fp8Store:
     """The FP8 Linears of one model and config: `modules` and `fused` (the activations moved into them) by their
-    diffusion-model name / object-patch key, the `originals` they were quantized from, and `held`: per weight or
-    bias key, the patch list merged into it now."""
+    diffusion-model name / object-patch key, the `originals` they were quantized from; `held`: per weight or bias key,
+    the patch stages merged into it now (the clone's patches, then a hook's); `generations`: per Linear, how often it
+    was written in place."""
 
     cfg: Fp8Config
     modules: dict[str, torch.nn.Module]
@@ -51,48 +68,81 @@ class Fp8Store:
     fused: dict[str, torch.nn.Module]
     report: Fp8Report
     compute_dtype: object = None
-    held: dict[str, list] = field(default_factory=dict)
-    generations: dict[str, int] = field(default_factory=dict)  # per Linear, how often merged again (a write in place)
+    held: dict[str, tuple] = field(default_factory=dict)
+    generations: Generations = field(default_factory=Generations)
 
-    @property
-    def merges(self) -> int:
-        """Linears merged again so far (the stats)."""
-        return sum(self.generations.values())
+    def __post_init__(self):
+        self._keys = {n: tuple(f"{PREFIX}{n}.{p}" for p in ("weight", "bias") if getattr(m, p, None) is not None)
+                      for n, m in self.modules.items() if is_fp8_linear(m)}
+        self.merge_s = 0.0
 
     @property
     def fp8(self) -> dict[str, torch.nn.Module]:
         """The FP8 Linears among the modules (the others: checkpoint-quantized Linears made bf16, which ComfyUI's
         load patches as usual)."""
-        return {n: m for n, m in self.modules.items() if is_fp8_linear(m)}
+        return {n: self.modules[n] for n in self._keys}
+
+    @property
+    def merges(self) -> int:
+        """Linears merged again so far (the stats)."""
+        return self.generations.writes
 
     def keys(self) -> list[str]:
         """The weight and bias keys of the FP8 Linears (what a weight patch on them names)."""
-        return [f"diffusion_model.{n}.{p}" for n, m in self.fp8.items() for p in ("weight", "bias")
-                if getattr(m, p, None) is not None]
+        return [k for keys in self._keys.values() for k in keys]
 
-    def sync(self, model, patches: dict[str, list]) -> int:
-        """Make every FP8 Linear hold its stored weights with `patches` (key -> the patch list this clone merges;
-        a key not in it: none) merged; `model` is the clone about to sample. Returns how many Linears changed."""
-        t0, changed = time.perf_counter(), []
-        for name, q in self.fp8.items():
-            keys = [f"diffusion_model.{name}.{p}" for p in ("weight", "bias") if getattr(q, p, None) is not None]
-            if all(fingerprint(self.held.get(k)) == fingerprint(patches.get(k)) for k in keys):
-                continue
-            self._merge(model, name, {k: patches.get(k) for k in keys})
-            changed.append(name)
-        if changed:
-            log.info("FluxAccel: merged this prompt's weight patches into %d FP8 Linears in place in %.2f s",
-                     len(changed), time.perf_counter() - t0)
-        return len(changed)
+    def key_of(self, key: str) -> str:
+        """The Linear's name of a state-dict key of its (weight, bias, fp8_weight_scale, ...)."""
+        return key[len(PREFIX):].rsplit(".", 1)[0]
 
-    def _merge(self, model, name: str, patches: dict[str, list | None]) -> None:
+    def owns(self, key: str) -> bool:
+        return key.startswith(PREFIX) and self.key_of(key) in self._keys
+
+    # -- ComfyUI's patching, through models/patcher.py ---------------------------------------------------------------
+    def bring(self, patcher, key: str, hooks=None) -> bool:
+        """Make the FP8 Linear of `key` hold its stored weights with `patcher`'s patches merged (and, for `key`,
+        `hooks`: a hook LoRA's patches on top; None: none). True where it was merged again."""
+        name = self.key_of(key)
+        want = {k: (self.held.get(k, ((),)) if k != key and hooks is not None else
+                    ((tuple(patcher.patches.get(k, ())),) + ((HookStage(hooks),) if k == key and hooks else ())))
+                for k in self._keys[name]}
+        if all(_stages_print(self.held.get(k, ((),))) == _stages_print(want[k]) for k in want):
+            return False
+        self._merge(patcher, name, want)
+        return True
+
+    def drop_hooks(self, patcher, keys=None) -> None:
+        """The hook stage taken off every FP8 Linear holding one (of `keys`, where given): its clone's patches only."""
+        for name, lin_keys in self._keys.items():
+            hooked = [k for k in lin_keys if len(self.held.get(k, ((),))) > 1 and (not keys or k in keys)]
+            if hooked:
+                self._merge(patcher, name, {k: (self.held.get(k, ((),))[0],) if k in hooked else self.held.get(k, ((),))
+                                            for k in lin_keys})
+
+    @staticmethod
+    def hook_marker(hooks) -> tuple:
+        """What ComfyUI's hook cache keeps for an FP8 weight: its hook patches, merged again when the group returns."""
+        return (HookStage(hooks), None)
+
+    @staticmethod
+    def hook_patches(cached) -> tuple:
+        return cached[0]
+
+    def _merge(self, patcher, name: str, stages: dict[str, tuple]) -> None:
+        t0 = time.perf_counter()
         q, original = self.modules[name], self.originals[name]
-        device = torch.device(model.load_device)
+        device = torch.device(patcher.load_device)
         params = {}
-        for key, plist in patches.items():
+        for key, key_stages in stages.items():
             part = key.rsplit(".", 1)[1]
-            stored = model.backup[key].weight if key in model.backup else getattr(original, part)
-            params[part] = patched(plist, key, stored, device) if plist else stored
+            stored = patcher.backup[key].weight if key in patcher.backup else getattr(original, part)
+            t = stored
+            for i, stage in enumerate(key_stages):
+                if not stage:
+                    continue
+                t = (patched(list(stage), key, t, device) if i == 0 else
+                     _hooked(list(stage), key, t, stored, device))
+            params[part] = t
         new = quantize_linear(original if isinstance(original, torch.nn.Linear) else q, self.cfg, device,
                               self.compute_dtype, params)
         with torch.no_grad():
@@ -100,33 +150,55 @@ class Fp8Store:
             q.fp8_weight_scale.copy_(new.fp8_weight_scale.to(q.fp8_weight_scale.device))
             if q.bias is not None and "bias" in params:
                 q.bias.copy_(new.bias.to(q.bias.device, q.bias.dtype))
-        for key, plist in patches.items():
-            self.held[key] = list(plist or ())
-        self.generations[name] = self.generations.get(name, 0) + 1
+        for key, key_stages in stages.items():
+            self.held[key] = tuple(tuple(s) if i == 0 else s for i, s in enumerate(key_stages))
+        self.generations.bump((name,))
+        self.merge_s += time.perf_counter() - t0
 
 
-def for_clone(flux, linears: Linears, cfg: Fp8Config) -> tuple[Fp8Store, Fp8Report, Kept]:
-    """(the FP8 Linears of `flux`'s loaded model under `cfg`, the report, the clone's weight patches on them): those
-    built for another clone of the model from these very Linears, else built now and kept for its other clones
-    (one store per model and config; a newer one replaces it). The patches are merged into the Linears when the
-    clone samples (Fp8Store.sync), not by ComfyUI's load."""
+def _hooked(hooks: list, key: str, weight: torch.Tensor, stored: torch.Tensor, device) -> torch.Tensor:
+    """A hook LoRA's patches on top of the clone's patched weight, as ComfyUI's patch_hook_weight_to_device computes
+    them (float32, then its stochastic rounding with the key's seed); `stored` is the weight before any patch."""
+    t = comfy_internals.hooked_weight(hooks, key, weight, stored, device)
+    if isinstance(t, Unavailable):
+        from ..errors import FluxAccelError
+
+        raise FluxAccelError(f"Quantize FP8 (FluxAccel): this ComfyUI's hook patching is not where FluxAccel reads it "
+                             f"({t}); hook LoRAs cannot be merged into FP8 weights here. Remove the hook LoRA or "
+                             f"Quantize FP8.")
+    return t
+
+
+def _sets(base) -> "weakref.WeakValueDictionary":
+    sets = base.__dict__.get(SETS)
+    if sets is None:
+        sets = base.__dict__[SETS] = weakref.WeakValueDictionary()
+    return sets
+
+
+def for_clone(flux, linears: Linears, cfg: Fp8Config) -> tuple[Fp8Store, Fp8Report]:
+    """(the FP8 Linears of `flux`'s loaded model under `cfg`, the report): those built for another clone of the model
+    from these very Linears while one still uses them, else built now (with this clone's weight patches merged)."""
     model, at = flux.model, tuple(cfg.key())
-    stores = _STORES.setdefault(model.model, {})
-    shared = stores[at] if at in stores and _built_from(stores[at], linears) else None
-    if shared is None:  # this model's first FP8 Linears under this config
+    sets = _sets(model.model)
+    shared = sets.get(at)
+    if shared is not None and not _built_from(shared, linears):
+        shared = None
+    if shared is None:  # this model's first FP8 Linears under this config (or none alive)
         report = Fp8Report(cfg.granularity, cfg.scope, str(flux.device), skipped=dict(linears.skipped))
         built = build.fp8_linears(linears, cfg, report)
         fused = act_fusion.fuse(flux.dm, lambda name, m: swaps.original(model, f"diffusion_model.{name}", m),
                                 built.modules, cfg, report)
-        shared = stores[at] = Fp8Store(cfg, built.modules, {n: linears.originals[n] for n in built.modules}, fused,
-                                       report, linears.compute_dtype, {k: list(v) for k, v in built.merged.items()})
+        shared = Fp8Store(cfg, built.modules, {n: linears.originals[n] for n in built.modules}, fused, report,
+                          linears.compute_dtype)
+        shared.held.update({k: ((tuple(v),) if v else ((),)) for k, v in built.merged.items()})
+        sets[at] = shared
     else:
         report = dataclasses.replace(shared.report, merged_patches=list(linears.weight_patches),
                                      weights_cache="the FP8 Linears of this model, shared with its other clones; "
-                                                   "this clone's weight patches are merged in place when it samples")
-    keys = [f"diffusion_model.{n}.{p}" for n in linears.chosen for p in ("weight", "bias")
-            if getattr(linears.originals[n], p, None) is not None]
-    return shared, report, Kept({k: model.patches[k] for k in keys if k in model.patches and model.patches[k]})
+                                                   "this clone's weight patches are merged in place when ComfyUI "
+                                                   "loads it")
+    return shared, report
 
 
 def _built_from(store: Fp8Store, linears: Linears) -> bool:

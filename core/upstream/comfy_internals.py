@@ -276,14 +276,22 @@ def kept_delegate(model):
     return kept
 
 
-def keep_delegate(model, base) -> bool | Unavailable:
-    """Make `base` (a BaseModel) the dynamic patcher's kept delegate model, with empty patch backups of the shapes
-    its get_clone_model_override gives, so get_non_dynamic_delegate() clones it instead of reloading the file."""
+def delegate_override(model, base) -> tuple | Unavailable:
+    """`base` (a BaseModel) as a dynamic patcher's delegate model: (base, empty patch backups of the shapes its
+    get_clone_model_override gives), what ModelPatcher.clone(model_override=) takes. One such value serves every
+    dynamic clone of a model: their delegates then share the model and its backups, as clones do."""
     override = getattr(model, "get_clone_model_override", None)
     if not callable(override):
         return _missing("ModelPatcher.get_clone_model_override")
-    backups = override()[1]
-    model.non_dynamic_delegate_model = (base, tuple(type(b)() for b in backups))
+    return base, tuple(type(b)() for b in override()[1])
+
+
+def keep_delegate(model, override: tuple) -> bool | Unavailable:
+    """Make `override` (delegate_override's) the dynamic patcher's kept delegate model, so get_non_dynamic_delegate()
+    clones it instead of reloading the file."""
+    if isinstance(kept_delegate(model), Unavailable):
+        return kept_delegate(model)
+    model.non_dynamic_delegate_model = override
     return True
 
 
@@ -312,6 +320,29 @@ def patched_weight(patches: list, key: str, weight: torch.Tensor, device) -> tor
     except (ImportError, AttributeError) as e:
         return _missing("comfy.lora.calculate_weight / comfy.float.stochastic_rounding / "
                         "comfy.model_management.lora_compute_dtype", str(e))
+
+
+def hooked_weight(hooks: list, key: str, weight: torch.Tensor, stored: torch.Tensor, device) -> torch.Tensor | Unavailable:
+    """`weight` (the key's weight with the clone's patches) with a hook LoRA's patches on top, on `device`, as
+    ModelPatcher.patch_hook_weight_to_device computes it for a plain op: float32, comfy.lora.calculate_weight with the
+    stored weight as the original (for 'model_as_lora' patches), then ComfyUI's stochastic rounding back to the
+    weight's dtype with the key's seed."""
+    try:
+        mm, lora, fl, utils = (module(n) for n in ("comfy.model_management", "comfy.lora", "comfy.float",
+                                                   "comfy.utils"))
+        temp = mm.cast_to_device(weight, device, torch.float32, copy=True)
+        out = lora.calculate_weight(hooks, temp, key, original_weights={key: [(stored, lambda a, **kw: a)]})
+        return fl.stochastic_rounding(out, weight.dtype, seed=utils.string_to_seed(key))
+    except (ImportError, AttributeError, TypeError) as e:
+        return _missing("comfy.lora.calculate_weight(original_weights=) / comfy.float.stochastic_rounding", str(e))
+
+
+def hooks_cached(patcher) -> bool | Unavailable:
+    """Whether ComfyUI caches this patcher's hook weights per hook group (its hook_mode MaxSpeed, 0.33's default)."""
+    try:
+        return patcher.hook_mode == module("comfy.hooks").EnumHookMode.MaxSpeed
+    except (ImportError, AttributeError) as e:
+        return _missing("comfy.hooks.EnumHookMode / ModelPatcher.hook_mode", str(e))
 
 
 # -- where a model's weights came from --------------------------------------------------------------------------------

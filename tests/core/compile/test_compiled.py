@@ -10,6 +10,7 @@ from fluxaccel.core.compile.config import CompileConfig
 from fluxaccel.core.compile.shapes import ShapeKey
 from fluxaccel.core.compile.patch import apply_compile, compiled_of, remove_compile
 from fluxaccel.core.quant.patch import fp8_state
+from fluxaccel.core.models.patcher import owner_of
 from fluxaccel.core.models.loaded import compiled_elsewhere
 from fluxaccel.core.errors import FluxAccelError
 from fluxaccel.core.bench.metrics import rel_err
@@ -332,14 +333,14 @@ def test_a_lora_strength_change_reuses_the_compiled_model(cpu_fp8, tiny_flux, co
 
     full, c_full = chain(1.0)
     out_full = sample(full, steps=2)
-    graphs, merges = compiled_graphs(), fp8_state(full).store.merges
+    graphs, merges = compiled_graphs(), owner_of(full).merges
     half, c_half = chain(0.5)
     assert c_half.runner is c_full.runner and c_half.stats.calls == 0
     out_half = sample(half, steps=2)
     assert compiled_graphs() == graphs and c_half.stats.eager_calls == 0
-    assert fp8_state(full).store.merges == merges + 3  # the three FP8 Linears the LoRA patches
+    assert owner_of(full).merges == merges + 3  # the three FP8 Linears the LoRA patches
     assert rel_err(out_half, out_full) > 1e-3
-    store._STORES.clear()
+    tiny_flux.model.__dict__.pop(store.SETS)  # quantized and compiled afresh: the reference
     patch._COMPILED.clear()
     fresh, _ = chain(0.5)
     assert torch.equal(sample(fresh, steps=2), out_half)
@@ -368,7 +369,7 @@ def test_a_lora_swap_stack_or_removal_reuses_the_compiled_model_in_place(cpu_fp8
 
     first, c_first = chain(with_lora(tiny_flux, a, 1.0))
     out_first = sample(first, steps=2)
-    linears = fp8_state(first).store.fp8
+    linears = owner_of(first).fp8
     pointers = {n: (m.weight.data_ptr(), m.fp8_weight_scale.data_ptr()) for n, m in linears.items()}
     graphs = compiled_graphs()
     then, c_then = chain(loras(tiny_flux))
@@ -376,7 +377,7 @@ def test_a_lora_swap_stack_or_removal_reuses_the_compiled_model_in_place(cpu_fp8
     assert c_then.runner is c_first.runner and compiled_graphs() == graphs and c_then.stats.eager_calls == 0
     assert {n: (m.weight.data_ptr(), m.fp8_weight_scale.data_ptr()) for n, m in linears.items()} == pointers
     assert rel_err(out_then, out_first) > 1e-3
-    store._STORES.clear()
+    tiny_flux.model.__dict__.pop(store.SETS)  # quantized and compiled afresh: the reference
     patch._COMPILED.clear()
     fresh, _ = chain(loras(tiny_flux))
     assert torch.equal(sample(fresh, steps=2), out_then)
@@ -397,7 +398,7 @@ def test_kept_fp8_linears_and_compiled_models_go_with_their_loaded_model(cpu_fp8
     base = build_flux("tiny")
     model, _ = apply_compile(apply_fp8(base, Fp8Config())[0], CompileConfig(separate_process=False))
     gone = weakref.ref(base.model)
-    assert gone() in store._STORES and gone() in patch._COMPILED
+    assert store.SETS in vars(gone()) and gone() in patch._COMPILED
     del base, model
     gc.collect()
     assert gone() is None

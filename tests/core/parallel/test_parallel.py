@@ -11,7 +11,7 @@ import torch
 from fluxaccel.core.bench.metrics import rel_err
 from fluxaccel.core.errors import FluxAccelError
 from fluxaccel.core.parallel.config import ParallelConfig
-from fluxaccel.core.parallel.patch import apply_parallel
+from fluxaccel.core.parallel.patch import apply_parallel, kind_of
 from fluxaccel.core.parallel.workers import WorkerDied
 from support.models import build_flux
 from support.runs import denoise_once
@@ -175,7 +175,8 @@ def test_the_workers_start_shows_its_progress_and_a_failing_display_stops_nothin
     shown = []
     p.on_progress = lambda text, seconds: shown.append(text)
     denoise_once(model)
-    assert shown[0] == "starting 2 workers (cpu, cpu)" and shown[1].startswith("2 workers started; sending them the model")
+    assert shown[:2] == ["starting 2 workers (cpu, cpu)", "2 workers started"]
+    assert shown[2].startswith("sending the workers the model (")
     assert shown[-1].startswith("2 workers ready in")
     p.workers.stop()
     p.on_progress = lambda text, seconds: (_ for _ in ()).throw(RuntimeError("no editor"))
@@ -208,7 +209,7 @@ def test_cancel_during_the_workers_compile_stops_them_within_two_seconds(paralle
 
     base = build_flux("tiny", dtype=torch.float32)
     model, p = parallel(base, compile_blocks=True)
-    p.workers.start(p.dm, p._written_in_place)  # started beforehand: the call below is only the compile and the run
+    p.workers.start(p.dm, p._stamp, kind_of(model))  # started beforehand: the call below is only the compile and the run
     pressed = []
 
     def cancel():

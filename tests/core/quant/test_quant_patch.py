@@ -5,6 +5,7 @@ import torch
 from fluxaccel.core.errors import FluxAccelError
 from fluxaccel.core.quant.fp8 import Fp8Config, is_fp8_weight
 from fluxaccel.core.quant.linear import is_fp8_linear
+from fluxaccel.core.models.patcher import owner_of
 from fluxaccel.core.quant.patch import FP8_KEY, apply_fp8, fp8_state, remove_fp8
 from fluxaccel.core.bench.metrics import rel_err, sqnr_db
 from fluxaccel.core.models import swaps
@@ -172,8 +173,11 @@ def test_lora_before_quantize_is_merged_into_fp8(cpu_fp8, tiny_flux, compiled):
     assert torch.equal(mine.weight.view(torch.uint8), expected.weight.view(torch.uint8))
     assert torch.equal(mine.fp8_weight_scale, expected.fp8_weight_scale)
     assert sorted(report.merged_patches) == sorted(LORA_KEYS) and "merged 4 weight patches" in report.summary()
-    assert not any(k in q.patches for k in LORA_KEYS), "merged patches must not be applied to FP8 weights again"
+    # the patches stay the clone's, as any clone's; the FP8 Linears hold them already, so ComfyUI's load merges nothing
+    assert all(k in q.patches for k in LORA_KEYS)
+    merges = owner_of(q).merges
     out = forward(q, inputs, compiled=compiled)
+    assert owner_of(q).merges == merges
     assert rel_err(out, lora_ref) < BOUND, f"vs LoRA'd eager: {rel_err(out, lora_ref):.4f}"
     # the Benchmark's baseline (FP8 removed) runs the LoRA'd bf16 model again, bit for bit
     assert torch.equal(forward(remove_fp8(q), inputs), lora_ref)
@@ -186,12 +190,12 @@ def test_lora_before_quantize_is_merged_into_fp8(cpu_fp8, tiny_flux, compiled):
 
 
 def test_lora_after_quantize_is_merged_like_a_lora_before_it(cpu_fp8, tiny_flux):
-    """A LoRA added after Quantize FP8 (weight patches on its FP8 Linears) is merged into them in place when the clone
-    loads for ComfyUI's sampler: the same image as the LoRA placed before Quantize FP8, in the same objects and
-    buffers as the plain FP8 clone's; the plain FP8 clone then runs its own weights again, and patches on bf16 layers
-    stay ComfyUI's. Outside a sampler (a direct load) the FP8 Linear refuses them, saying where to put the LoRA."""
+    """A LoRA added after Quantize FP8 (weight patches on its FP8 Linears) is merged into them in place when ComfyUI
+    loads the clone (its patch_weight_to_device, for a sampler or any other load): the same image as the LoRA placed
+    before Quantize FP8, in the same objects and buffers as the plain FP8 clone's; the plain FP8 clone then runs its
+    own weights again, and patches on bf16 layers stay ComfyUI's."""
     inputs = flux_inputs(tiny_flux.model.diffusion_model)
-    lora = _lora_patches(tiny_flux)
+    lora, lora9 = _lora_patches(tiny_flux), _lora_patches(tiny_flux, seed=9)
     q, _ = apply_fp8(tiny_flux, Fp8Config("per_row"))
     ref, plain = forward(q, inputs), sample(q, steps=2)
     name = LORA_KEYS[0][len("diffusion_model."):-len(".weight")]
@@ -199,13 +203,14 @@ def test_lora_after_quantize_is_merged_like_a_lora_before_it(cpu_fp8, tiny_flux)
     ptr = lin.weight.data_ptr()
     late = _with_lora(q, patches=lora)
     out_late = sample(late, steps=2)
-    assert all(k in late.patches for k in LORA_KEYS)  # off the clone while it loaded, back after
+    assert all(k in late.patches for k in LORA_KEYS)  # never taken off the clone
     assert swaps.get(late, f"diffusion_model.{name}") is lin and lin.weight.data_ptr() == ptr
     before = sample(apply_fp8(_with_lora(tiny_flux, patches=lora), Fp8Config("per_row"))[0], steps=2)
     assert torch.equal(out_late, before) and rel_err(out_late, plain) > 0.05
     assert torch.equal(sample(q, steps=2), plain) and torch.equal(forward(q, inputs), ref)  # its own weights again
-    with pytest.raises(FluxAccelError, match="Put LoraLoaderModelOnly"):
-        forward(_with_lora(q, seed=9), inputs)
+    other = _with_lora(q, patches=lora9)  # a direct load, outside a sampler: merged the same way
+    assert torch.equal(forward(other, inputs),
+                       forward(apply_fp8(_with_lora(tiny_flux, patches=lora9), Fp8Config("per_row"))[0], inputs))
     mod_key = "diffusion_model.double_blocks.0.img_mod.lin.weight"
     w = tiny_flux.model.state_dict()[mod_key]
     ok = q.clone()
@@ -228,15 +233,15 @@ def test_a_lora_strength_change_merges_in_place_into_the_same_fp8_linears(cpu_fp
     lin = swaps.get(q_full, f"diffusion_model.{name}")
     ptrs = (lin.weight.data_ptr(), lin.fp8_weight_scale.data_ptr())
     out_full = forward(q_full, inputs)
-    shared = fp8_state(q_full).store
+    shared = owner_of(q_full)
     q_half, report = apply_fp8(half, Fp8Config("per_row"))
-    assert fp8_state(q_half).store is shared and "merged in place when it samples" in report.weights_cache
+    assert owner_of(q_half) is shared and "merged in place when ComfyUI loads it" in report.weights_cache
     merges = shared.merges
     out_half = forward(q_half, inputs)
     assert shared.merges == merges + len(LORA_KEYS)  # the four patched Linears, nothing else
     assert swaps.get(q_half, f"diffusion_model.{name}") is lin
     assert (lin.weight.data_ptr(), lin.fp8_weight_scale.data_ptr()) == ptrs
-    store._STORES.clear()  # the same clone quantized afresh: the reference
+    tiny_flux.model.__dict__.pop(store.SETS)  # the same clone quantized afresh: the reference
     fresh = apply_fp8(half, Fp8Config("per_row"))[0]
     assert torch.equal(forward(fresh, inputs), out_half)
     assert torch.equal(forward(q_full, inputs), out_full)  # back to 1.0 on the first store: its own weights again
