@@ -148,3 +148,39 @@ def comfy_nodes():
     sys.modules["nodes"] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def dynamic_patcher(path, with_init=True, dtype=torch.bfloat16):
+    """ComfyUI 0.33's dynamic-VRAM patcher (ModelPatcherDynamic, what UNETLoader gives on an NVIDIA GPU by default)
+    of this file, on the CPU: the real class, with only the two parts that need a GPU left out (cpu_dynamic_class),
+    so that its clones -- a LoRA node's -- are dynamic too, as on a GPU. with_init: the loader's cached_patcher_init
+    (UNETLoader's), for ComfyUI's own reload of the file."""
+    import comfy.sd
+
+    plain = comfy.sd.load_diffusion_model(str(path), model_options={"dtype": dtype})  # UNETLoader's loader
+    dyn = cpu_dynamic_class()(plain.model, plain.load_device, plain.offload_device)
+    dyn.cached_patcher_init = plain.cached_patcher_init if with_init else None
+    return dyn
+
+
+_CPU_DYNAMIC = []
+
+
+def cpu_dynamic_class():
+    """ModelPatcherDynamic without its __new__ (which hands a CPU device a plain ModelPatcher) and with empty pin
+    records in place of comfy-aimdo's host buffers (a native library that needs CUDA); every other method is 0.33's.
+    Such a patcher is never loaded here (dynamic loading streams weights through comfy-aimdo): FluxAccel works on its
+    resident copy."""
+    if not _CPU_DYNAMIC:
+        import comfy.model_patcher as mp
+
+        def register_load_device(self, device):
+            if device not in self.model.dynamic_pins:
+                self.model.dynamic_pins[device] = {
+                    **{k: (None, [], [-1], [0], [0], {}) for k in ("weights", "patches", "weights-loaded",
+                                                                 "patches-loaded")},
+                    "hostbufs_initialized": False, "failed": False, "active": False, "current_prompt": False}
+
+        _CPU_DYNAMIC.append(type("CpuModelPatcherDynamic", (mp.ModelPatcherDynamic,), {
+            "__new__": lambda cls, *args, **kwargs: object.__new__(cls), "register_load_device": register_load_device}))
+    return _CPU_DYNAMIC[0]

@@ -1,11 +1,11 @@
 """core/models/loaded.py and resident.py against ComfyUI 0.33's real classes: dynamic VRAM's non-dynamic delegate,
 core's per-block CUDA-graph registry.
 
-ModelPatcherDynamic cannot be constructed on a CPU machine (ModelPatcherDynamic.__new__ returns a plain ModelPatcher
-for CPU load devices, and its __init__ needs comfy-aimdo's native library): `dynamic_patcher` builds an instance of
-the real class with ModelPatcher's own __init__, so is_dynamic(), clone(disable_dynamic=True) and
-get_non_dynamic_delegate() are 0.33's code (its reload of the file goes through the real
-comfy.sd.load_diffusion_model where FluxAccel cannot share the weights).
+ModelPatcherDynamic cannot be constructed on a CPU machine as it is (its __new__ returns a plain ModelPatcher for CPU
+load devices, and its __init__ needs comfy-aimdo's native library): `support.models.dynamic_patcher` builds the real
+class with just those two parts left out, so is_dynamic(), clone() (a LoRA node's clone is dynamic too),
+clone(disable_dynamic=True) and get_non_dynamic_delegate() are 0.33's code (its reload of the file goes through the
+real comfy.sd.load_diffusion_model where FluxAccel cannot share the weights).
 """
 import pytest
 import torch
@@ -17,6 +17,7 @@ from fluxaccel.core.compile.patch import apply_compile, compiled_of
 from fluxaccel.core.errors import FluxAccelError
 from fluxaccel.core.quant.fp8 import Fp8Config
 from fluxaccel.core.quant.patch import FP8_KEY, apply_fp8
+from support.models import dynamic_patcher
 from support.runs import denoise_once
 
 
@@ -27,19 +28,6 @@ def e2e_file():
     from support.models import write_flux_file
 
     return write_flux_file(ROOT / ".cache" / "models" / "diffusion_models" / "fluxaccel-random-e2e-3072.safetensors", "e2e-3072")
-
-
-def dynamic_patcher(path, with_init=True):
-    import comfy.model_patcher as mp
-    import comfy.sd
-
-    plain = comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.bfloat16})  # UNETLoader's loader: sets cached_patcher_init
-    dyn = object.__new__(mp.ModelPatcherDynamic)
-    mp.ModelPatcher.__init__(dyn, plain.model, plain.load_device, plain.offload_device)
-    dyn.non_dynamic_delegate_model = None
-    plain.model.dynamic_vbars, plain.model.dynamic_pins = {}, {}
-    dyn.cached_patcher_init = plain.cached_patcher_init if with_init else None
-    return dyn
 
 
 def test_plain_models_are_used_as_they_are(tiny_flux):
@@ -146,3 +134,38 @@ def test_blocks_captured_by_core_cuda_graphs_are_refused(tiny_flux):
     finally:
         comfy.model_prefetch.GRAPH_WARMED_MODULES.discard(block)
     assert comfy_compat.compiled_elsewhere(tiny_flux) == []
+
+
+def test_lora_changes_on_a_dynamic_model_find_its_resident_model_fp8_set_and_compiled_model(cpu_fp8, e2e_file):
+    """Under ComfyUI's default dynamic VRAM, LoraLoaderModelOnly's clone of the loaded model is dynamic too, and every
+    strength gives a new one: each resolves to the same resident model (one per dynamic model, with one set of patch
+    backups), so Quantize FP8 finds the FP8 set of the clone before it (only the Linears the LoRA patches are merged
+    again, in their buffers) and Compile its compiled model; ComfyUI then switches between them as between clones.
+    Each image equals the same nodes on the plain load of the file (--disable-dynamic-vram)."""
+    import comfy.sd
+
+    from fluxaccel.core.models.patcher import owner_of
+    from support.models import lora_state_dict, with_lora
+
+    dyn = dynamic_patcher(e2e_file)
+    plain = comfy.sd.load_diffusion_model(str(e2e_file), model_options={"dtype": torch.bfloat16})
+    targets = ["double_blocks.0.img_attn.qkv", "single_blocks.0.linear1"]
+    sd = lora_state_dict(dyn, targets)
+    cfg = CompileConfig(separate_process=False)
+
+    def chain(loaded, strength):
+        return apply_compile(apply_fp8(with_lora(loaded, sd, strength), Fp8Config())[0], cfg)
+
+    assert with_lora(dyn, sd, 1.0).is_dynamic()  # ComfyUI's own LoRA loading keeps the class
+    first, c_first = chain(dyn, 1.0)
+    assert torch.equal(denoise_once(first, hw=8), denoise_once(chain(plain, 1.0)[0], hw=8))
+    owner = owner_of(first)
+    buffers = {n: (m.weight.data_ptr(), m.fp8_weight_scale.data_ptr()) for n, m in owner.fp8.items()}
+    for strength in (0.5, 0.75, 0.0):
+        then, c_then = chain(dyn, strength)
+        assert then.model is first.model and owner_of(then) is owner and c_then.runner is c_first.runner
+        merges = owner.merges
+        out = denoise_once(then, hw=8)
+        assert owner.merges == merges + len(targets)  # the two patched Linears, nothing else
+        assert {n: (m.weight.data_ptr(), m.fp8_weight_scale.data_ptr()) for n, m in owner.fp8.items()} == buffers
+        assert torch.equal(out, denoise_once(chain(plain, strength)[0], hw=8)), strength
