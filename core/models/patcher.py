@@ -59,8 +59,13 @@ class FluxAccelPatching:
 
     def load(self, *args, **kwargs):
         _written_elsewhere(self)
+        owner = owner_of(self)
+        before = (owner.merges, owner.merge_s) if owner is not None else None
         out = super().load(*args, **kwargs)
         of_model(self.model).applied = comfy_internals.weight_patches_uuid(self.model)
+        if before is not None and owner.merges != before[0]:
+            log.info("FluxAccel: this prompt's weight patches merged into %d FP8 Linears in place in %.2f s",
+                     owner.merges - before[0], owner.merge_s - before[1])
         return out
 
     def unpatch_model(self, device_to=None, unpatch_weights=True, *args, **kwargs):
