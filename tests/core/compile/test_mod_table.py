@@ -340,3 +340,32 @@ def test_weights_stored_in_another_dtype_than_the_compute_dtype():
     out, ref = _sample(model, seed=1, steps=2), _sample(base, seed=1, steps=2)
     assert compiled.runner.mod_table.counts()["rows_from_table"] == 2
     assert rel_err(out, ref) < 1e-3, rel_err(out, ref)
+
+
+def test_a_modulation_lora_changed_between_runs_that_share_one_sigmas_tensor_is_in_the_table():
+    """SamplerCustomAdvanced with one SIGMAS tensor (BasicScheduler's output, cached by ComfyUI) in two prompts, a
+    LoRA on the modulation weights at strength 1.0 then 0.5: the table is rebuilt because its weights were written
+    (their generations), not because the sigmas changed; each run equals eager ComfyUI's (float32)."""
+    import comfy.samplers
+
+    from support.models import lora_state_dict, synthetic_conditioning, with_lora
+
+    base = build_flux("tiny", dtype=torch.float32)
+    sd = lora_state_dict(base, ["double_blocks.0.img_mod.lin", "single_blocks.1.modulation.lin"])
+    sigmas = comfy.samplers.calculate_sigmas(base.get_model_object("model_sampling"), "simple", 3).cpu()
+    latent = torch.zeros(1, 16, 16, 16)
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(0))
+
+    def run(model):  # SamplerCustomAdvanced's sampling: a guider, a sampler, the given sigmas
+        guider = comfy.samplers.CFGGuider(model)
+        guider.set_conds(synthetic_conditioning("tiny", text_len=16), synthetic_conditioning("tiny", seed=100))
+        guider.set_cfg(1.0)
+        return guider.sample(noise, latent, comfy.samplers.sampler_object("euler"), sigmas, disable_pbar=True, seed=0)
+
+    cfg = CompileConfig(separate_process=False)
+    for strength in (1.0, 0.5):
+        lora = with_lora(base, sd, strength)
+        model, compiled = apply_compile(lora, cfg)
+        out = run(model)
+        assert rel_err(out, run(lora)) < 1e-4, strength
+        assert compiled.runner.mod_table.builds == (1 if strength == 1.0 else 2)

@@ -227,3 +227,39 @@ def test_cancel_during_the_workers_compile_stops_them_within_two_seconds(paralle
         mm.interrupt_current_processing(False)
     assert pressed and ended - pressed[0] < 2.0 and not p.workers.procs
     assert rel_err(denoise_once(model), denoise_once(base)) < 1e-4 and p.workers.starts == 2
+
+
+def test_clones_of_other_kinds_of_one_loaded_model_each_get_their_own_weights(parallel, cpu_fp8):
+    """One loaded model through Parallel as an FP8 per_row clone, then a plain clone, then per_tensor, then per_row
+    again: the workers rebuild the model for each kind (never a bf16 weight copied into an FP8 one, nor one FP8
+    layout into another), and each call equals that clone's call in this process (bf16 attention summed in another
+    order; per_tensor also scales each worker's share of the activations on its own)."""
+    from fluxaccel.core.quant.fp8 import Fp8Config
+    from fluxaccel.core.quant.patch import apply_fp8
+
+    base = build_flux("tiny")
+    for kind, clone, tol in (("per_row", apply_fp8(base, Fp8Config("per_row"))[0], 2e-2), ("plain", base, 2e-2),
+                             ("per_tensor", apply_fp8(base, Fp8Config("per_tensor"))[0], 5e-2),
+                             ("per_row", apply_fp8(base, Fp8Config("per_row"))[0], 2e-2)):
+        model, p = parallel(clone)
+        ref = denoise_once(clone, hw=14, w=18)
+        out = denoise_once(model, hw=14, w=18)
+        assert rel_err(out, ref) < tol, (kind, rel_err(out, ref))
+    assert p.workers.starts == 1 and p.workers.rebuilds == 3
+
+
+def test_strength_changes_under_inference_mode_reach_the_workers(parallel):
+    """ComfyUI runs nodes under inference_mode, where a tensor's version cannot be read, and frees each strength's
+    patched weights before it makes the next (the same sizes: the allocator may hand out the same block, and Python
+    the same id): every strength still reaches the workers, each call equal to its LoRA'd model here."""
+    from support.models import lora_state_dict, with_lora
+
+    base = build_flux("tiny", dtype=torch.float32)
+    sd = lora_state_dict(base, ["double_blocks.0.img_attn.qkv", "single_blocks.1.linear2"])
+    with torch.inference_mode():
+        for strength in (1.0, 0.5, 0.25, 0.75, 1.0, 0.5):
+            lora = with_lora(base, sd, strength)
+            model, p = parallel(lora)
+            ref = denoise_once(lora, hw=14, w=18)
+            assert rel_err(denoise_once(model, hw=14, w=18), ref) < TOL, strength
+            del lora, model, ref
