@@ -17,7 +17,6 @@ from ..errors import FluxAccelError
 from ..models import swaps
 from ..models.flux import FluxModel, on_load_callback_type
 from ..models.loaded import PARALLEL_KEY, compiled_elsewhere
-from ..models.patcher import own_clone, owner_of
 from ..upstream import Unavailable, comfy_internals, torch_internals
 from . import fp8_attention, mod_table, single_block
 from .compiled import CompiledFlux, Setup
@@ -82,7 +81,7 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
     require_torch(node)
     flux = FluxModel.of(model, node)  # the resident model, checked: what FluxAccel can accelerate
     device = flux.device
-    clone = own_clone(flux.model)
+    owner, clone = flux.owner, flux.clone()
     _replace_comfy_compile(clone)
     capture = capture_unavailable(device)
     options = cfg.inductor_options(capture=not capture)
@@ -101,7 +100,6 @@ def apply_compile(model, cfg: CompileConfig, node: str = NODE):
         raise FluxAccelError(f"{node}: attention 'fp8' cannot run here: {why_fp8}. Set attention to 'cudnn'.")
     # a compiled model of this loaded model with the same config, device and FP8 Linears (another LoRA strength, ...)
     # serves this clone too: its compiled blocks, caches, CUDA graphs and table
-    owner = owner_of(flux.model)
     reuse = (cfg, str(device), owner.generations.serial if owner is not None else None, _object_patches(clone))
     kept = _COMPILED.setdefault(flux.model.model, {})
     earlier = kept.get(reuse)

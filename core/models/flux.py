@@ -8,6 +8,7 @@ import torch
 
 from ..errors import FluxAccelError
 from .loaded import require_compatible, resident
+from .patcher import own_clone, owner_of
 from .profiles import Profile, require_profile
 
 FP8_DTYPES = tuple(
@@ -94,6 +95,15 @@ class FluxModel:
         require_fully_loaded(model, node)
         require_compatible(model, dm, node, quantized_ok)
         return cls(model, dm, profile(model, node), node)
+
+    def clone(self):
+        """A clone of the model of FluxAccel's patcher class (patcher.py): what every FluxAccel node returns."""
+        return own_clone(self.model)
+
+    @property
+    def owner(self):
+        """The FP8 set whose Linears this model runs (its weights owner, quant/store.py), if any."""
+        return owner_of(self.model)
 
     @property
     def device(self) -> torch.device:

@@ -24,7 +24,6 @@ from ..models.flux import FluxModel
 from ..models import swaps
 from ..models.generations import stamp
 from ..models.loaded import PARALLEL_KEY
-from ..models.patcher import own_clone
 from ..quant.patch import fp8_state
 from ..upstream import comfy_internals
 from .config import ParallelConfig
@@ -160,7 +159,7 @@ def apply_parallel(model, cfg: ParallelConfig, node: str = NODE):
     if heads % cfg.gpus:
         raise FluxAccelError(f"{node}: this model's {heads} attention heads do not split over {cfg.gpus} GPUs. Set "
                              f"gpus to a divisor of {heads}.")
-    clone = own_clone(flux.model)  # (ComfyUI's weight writes counted: generations.py)
+    clone = flux.clone()  # (ComfyUI's weight writes counted: generations.py)
     kept = _WORKERS.setdefault(flux.model.model, {})  # one set of workers per loaded model and config: another
     workers = kept.get(cfg) or kept.setdefault(cfg, Workers(cfg, devices_for(cfg, flux.device, node), node))
     parallel = ParallelFlux(clone, workers, node)  # LoRA strength gets them, and only the weights written

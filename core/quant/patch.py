@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ..env import require_fp8_device, require_torch, require_torchao
 from ..models import swaps
 from ..models.flux import FluxModel, on_load_callback_type, partial_load_guard
-from ..models.patcher import own_clone, remove_owner, set_owner
+from ..models.patcher import remove_owner, set_owner
 from . import source, store
 from .fp8 import Fp8Config
 from .report import Fp8Report
@@ -77,7 +77,7 @@ def apply_fp8(model, cfg: Fp8Config, node: str = NODE):
 
     # FluxAccel's patcher class: ComfyUI's load brings the FP8 Linears to this clone's weight patches (LoRAs before or
     # after this node), which stay in clone.patches like any clone's (models/patcher.py)
-    clone = own_clone(flux.model)
+    clone = flux.clone()
     set_owner(clone, shared)
     keys = tuple(f"diffusion_model.{n}" for n in shared.modules)
     # one object patch per block (ComfyUI re-applies each at every prompt); the blocks hold the set while they run
