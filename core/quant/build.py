@@ -28,7 +28,7 @@ class Built:
     merged: dict = field(default_factory=dict)
 
 
-def fp8_linears(linears: Linears, cfg: Fp8Config, report: Fp8Report) -> Built:
+def fp8_linears(linears: Linears, cfg: Fp8Config, report: Fp8Report, sources: dict | None = None) -> Built:
     """Every chosen Linear as an FP8 Linear, one at a time: read from the FP8 weights cache where it holds this model
     (the first one is quantized all the same, and must match what the file holds), else quantized, and saved there;
     then the checkpoint-quantized Linears outside the scope dequantized. The report says what was done."""
@@ -37,7 +37,7 @@ def fp8_linears(linears: Linears, cfg: Fp8Config, report: Fp8Report) -> Built:
     home = fp8_home(linears.model, device, fp8_bytes, report)
     entry = fp8_weights.entry_for(linears, cfg)
     t0, stored, like = time.perf_counter(), None, None
-    for name, lin, params in linears.as_run(built.merged):
+    for name, lin, params in linears.as_run(built.merged, sources):
         if name in linears.dequantize:  # the model computes in its manual-cast dtype: the bf16 weight cast per call
             new = comfy_linear(lin, params, device, cast=dtype is not None).to(linears.model.offload_device)
         elif like is not None and stored is not None:

@@ -3,6 +3,7 @@ patches), split by the config into those to quantize, those kept and, of a check
 to dequantize; the live module tree made the stored one where ComfyUI's weight patching must read it."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 import torch
 
@@ -13,6 +14,8 @@ from ..models.loaded import is_checkpoint_quantized, linear_like
 from ..upstream import Unavailable, comfy_internals
 from .fp8 import Fp8Config, select_linears
 from .linear import is_fp8_linear
+
+log = logging.getLogger("fluxaccel.fp8")
 
 
 @dataclass
@@ -51,13 +54,14 @@ class Linears:
             return "the checkpoint is already quantized"
         return ""
 
-    def as_run(self, merged: dict):
+    def as_run(self, merged: dict, sources: dict | None = None):
         """(name, Linear, {weight, bias}) for each chosen Linear, then each to dequantize, one at a time (at most one
         merged weight exists at once). Each is its stored tensor (ComfyUI's backup where another clone's patch is
         applied to the live one now; a checkpoint-quantized weight dequantized to bf16, as torchao per_row needs
         it), a chosen one's with this clone's weight patches (LoRA, ...) merged by ComfyUI's own weight patching
         (upstream/comfy_internals.patched_weight): `merged` gets each merged key with its patches. A Linear made
-        bf16 keeps its patches for ComfyUI's load."""
+        bf16 keeps its patches for ComfyUI's load. `sources`: where a patched one's stored weight is kept on the device
+        (kept())."""
         model = self.model
         for name in (*self.chosen, *self.dequantize):
             lin, params = self.originals[name], {}
@@ -69,6 +73,8 @@ class Linears:
                 if is_checkpoint_quantized(t):  # ComfyUI's own dequantization, in bf16 as a bf16 checkpoint's
                     t = t.dequantize().to(torch.bfloat16)
                 if model.patches.get(key) and name in self.chosen:  # (a bf16 one is patched by ComfyUI's load)
+                    if sources is not None:
+                        t = kept(sources, key, t, self.device)
                     t = patched(model.patches[key], key, t, self.device)
                     merged[key] = model.patches[key]
                 params[p] = t
@@ -84,6 +90,29 @@ def patched(patches: list, key: str, stored: torch.Tensor, device) -> torch.Tens
                              f"it ({t}); LoRAs cannot be merged into FP8 weights here. Run without Quantize FP8, or "
                              f"report this.")
     return t
+
+
+def kept(sources: dict, key: str, stored: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The stored weight at `key` on `device`, kept in `sources` for the next merge of its Linear (a LoRA change then
+    reads no host memory), where the device has room beside twice ComfyUI's inference reserve; else `stored` as it
+    is (said once per set of sources)."""
+    if key in sources:
+        return sources[key]
+    if device.type == "cpu" or stored.device == device or sources.get(_REFUSED):
+        return stored
+    from comfy import model_management as mm
+
+    room = mm.get_free_memory(device) - 2 * mm.minimum_inference_memory()
+    if room < stored.numel() * stored.element_size():
+        sources[_REFUSED] = True
+        log.info("FluxAccel: %s has %.1f GiB free beside ComfyUI's reserve: each LoRA change reads the patched FP8 "
+                 "Linears' bf16 weights from host memory again", device, room / 1024**3)
+        return stored
+    sources[key] = stored.to(device, copy=True)
+    return sources[key]
+
+
+_REFUSED = "(no room on the device)"
 
 
 def read(flux: FluxModel, cfg: Fp8Config) -> Linears:

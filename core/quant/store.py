@@ -34,7 +34,7 @@ from . import act_fusion, build
 from .fp8 import Fp8Config
 from .linear import is_fp8_linear, quantize_linear
 from .report import Fp8Report
-from .source import Linears, patched
+from .source import Linears, kept, patched
 
 log = logging.getLogger("fluxaccel.fp8")
 
@@ -75,6 +75,9 @@ class Fp8Store:
         self._keys = {n: tuple(f"{PREFIX}{n}.{p}" for p in ("weight", "bias") if getattr(m, p, None) is not None)
                       for n, m in self.modules.items() if is_fp8_linear(m)}
         self.merge_s = 0.0
+        # the stored bf16 weights of the Linears a patch has reached, kept on the load device where it has room: a
+        # LoRA change merges them again without reading them from host memory (FLUX.1-dev: 24 GB for every Linear)
+        self.sources: dict[str, torch.Tensor] = {}
 
     @property
     def fp8(self) -> dict[str, torch.nn.Module]:
@@ -135,7 +138,7 @@ class Fp8Store:
         params = {}
         for key, key_stages in stages.items():
             part = key.rsplit(".", 1)[1]
-            stored = patcher.backup[key].weight if key in patcher.backup else getattr(original, part)
+            stored = self._stored(patcher, key, getattr(original, part), device, any(key_stages))
             t = stored
             for i, stage in enumerate(key_stages):
                 if not stage:
@@ -154,6 +157,13 @@ class Fp8Store:
             self.held[key] = tuple(tuple(s) if i == 0 else s for i, s in enumerate(key_stages))
         self.generations.bump((name,))
         self.merge_s += time.perf_counter() - t0
+
+
+    def _stored(self, patcher, key: str, original: torch.Tensor, device: torch.device, patched: bool) -> torch.Tensor:
+        """The stored weight at `key` (ComfyUI's backup where another clone's patch is applied to the live one now),
+        from the copy kept on the device where there is one (source.kept)."""
+        stored = patcher.backup[key].weight if key in patcher.backup else original
+        return kept(self.sources, key, stored, device) if patched else stored
 
 
 def _hooked(hooks: list, key: str, weight: torch.Tensor, stored: torch.Tensor, device) -> torch.Tensor:
@@ -186,11 +196,13 @@ def for_clone(flux, linears: Linears, cfg: Fp8Config) -> tuple[Fp8Store, Fp8Repo
         shared = None
     if shared is None:  # this model's first FP8 Linears under this config (or none alive)
         report = Fp8Report(cfg.granularity, cfg.scope, str(flux.device), skipped=dict(linears.skipped))
-        built = build.fp8_linears(linears, cfg, report)
+        sources: dict[str, torch.Tensor] = {}
+        built = build.fp8_linears(linears, cfg, report, sources)
         fused = act_fusion.fuse(flux.dm, lambda name, m: swaps.original(model, f"diffusion_model.{name}", m),
                                 built.modules, cfg, report)
         shared = Fp8Store(cfg, built.modules, {n: linears.originals[n] for n in built.modules}, fused, report,
                           linears.compute_dtype)
+        shared.sources.update(sources)
         shared.held.update({k: ((tuple(v),) if v else ((),)) for k, v in built.merged.items()})
         sets[at] = shared
     else:
