@@ -95,7 +95,7 @@ def _block_copy(block: torch.nn.Module, swaps: dict, holds: tuple = ()) -> torch
             parent = child
         setattr(parent, last, module)
     root.__dict__[_SWAPS] = dict(swaps)
-    root.__dict__[_HOLDS] = tuple(holds)
+    root.__dict__[_HOLDS] = _Holds(holds)
     return root
 
 
@@ -113,6 +113,14 @@ def _set_block(clone, block_key: str, swaps: dict, holds: tuple = ()) -> None:
         return
     block = original(clone, block_key)
     clone.add_object_patch(block_key, _block_copy(block, swaps, holds))
+
+
+class _Holds(tuple):
+    """A block copy's kept objects: never part of a pickled model (a separate compile, the Parallel workers rebuild
+    the module tree from its skeleton without them)."""
+
+    def __reduce__(self):
+        return tuple, ()
 
 
 def _holds(obj) -> tuple:

@@ -198,7 +198,7 @@ def test_fp8_linear_moves_and_refuses_weight_functions(cpu_fp8):
     assert moved.weight.dtype == torch.float8_e4m3fn
     assert q(torch.randn(3, 32, dtype=torch.bfloat16)).shape == (3, 48)
     q.weight_function = [lambda w: w]
-    with pytest.raises(FluxAccelError, match="Put LoraLoaderModelOnly.*before"):
+    with pytest.raises(FluxAccelError, match="a per-call weight function.*Put that node before Quantize FP8"):
         q(torch.randn(3, 32, dtype=torch.bfloat16))
 
 
