@@ -7,7 +7,7 @@ where they happen, and only there:
     backups in unpatch_model, its hook patches) raises the BaseModel's generations (`of_model`);
   * an FP8 set merging a clone's patches into one of its Linears in place (quant/store.py) raises that set's own.
 
-A stamp (`stamp`) names the counter as well as the count, so the same key of two FP8 sets (per_row and per_tensor)
+A stamp (`Generations.stamp`; a clone's, `patcher.stamp`) names the counter as well as the count, so the same key of two FP8 sets (per_row and per_tensor)
 never reads as the same weight. A CUDA graph needs none of this: it reads the weights at their addresses when it
 replays, and a write in place keeps them (call_graphs.py compares addresses to see weights that moved).
 """
@@ -55,14 +55,3 @@ def of_model(base) -> Generations:
     if gens is None:
         gens = base.__dict__[ATTR] = Generations()
     return gens
-
-
-def stamp(patcher, key: str) -> tuple[int, int]:
-    """What a reader compares to know whether the weight at `key` (a state-dict key of the clone's diffusion model,
-    as ComfyUI names it) is the one it copied: the FP8 set's generation for the Linears it owns, else the model's."""
-    from .patcher import owner_of  # (the owner is the clone's attachment; patcher.py imports this module)
-
-    owner = owner_of(patcher)
-    if owner is not None and owner.owns(key):
-        return owner.generations.stamp(owner.key_of(key))
-    return of_model(patcher.model).stamp(key)

@@ -130,7 +130,7 @@ class FluxAccelPatching:
         owner = owner_of(self)
         if owner is not None:
             owner.drop_hooks(self, whitelist_keys_set)
-        restored = [k for k in self.hook_backup if not whitelist_keys_set or k in whitelist_keys_set]
+        restored = [k for k in getattr(self, "hook_backup", {}) if not whitelist_keys_set or k in whitelist_keys_set]
         out = super().unpatch_hooks(whitelist_keys_set, *args, **kwargs)
         of_model(self.model).bump(restored)
         return out
@@ -190,6 +190,15 @@ def own_clone(model):
     clone.__class__ = patcher_class(type(clone))
     clone.patches_uuid = uuid.uuid4()
     return clone
+
+
+def stamp(patcher, key: str) -> tuple[int, int]:
+    """What a reader compares to know whether the weight at `key` (a state-dict key of the clone's diffusion model,
+    as ComfyUI names it) is the one it copied: the FP8 set's generation for the Linears it owns, else the model's."""
+    owner = owner_of(patcher)
+    if owner is not None and owner.owns(key):
+        return owner.generations.stamp(owner.key_of(key))
+    return of_model(patcher.model).stamp(key)
 
 
 def set_owner(clone, owner) -> None:

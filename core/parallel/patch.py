@@ -22,8 +22,8 @@ from ..compile.wrappers import outer, run_around
 from ..errors import FluxAccelError
 from ..models.flux import FluxModel
 from ..models import swaps
-from ..models.generations import stamp
 from ..models.loaded import PARALLEL_KEY
+from ..models.patcher import stamp
 from ..quant.patch import fp8_state
 from ..upstream import comfy_internals
 from .config import ParallelConfig

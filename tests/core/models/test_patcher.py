@@ -5,8 +5,8 @@ import torch
 
 from fluxaccel.core.bench.metrics import rel_err
 from fluxaccel.core.errors import FluxAccelError
-from fluxaccel.core.models.generations import of_model, stamp
-from fluxaccel.core.models.patcher import own_clone
+from fluxaccel.core.models.generations import of_model
+from fluxaccel.core.models.patcher import own_clone, stamp
 from fluxaccel.core.quant.fp8 import Fp8Config
 from fluxaccel.core.quant.patch import apply_fp8
 from support.models import build_flux, lora_state_dict, synthetic_conditioning_for, with_lora

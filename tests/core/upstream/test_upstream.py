@@ -99,8 +99,9 @@ def test_resident_copy_names_missing(monkeypatch, tiny_flux):
     import comfy.model_patcher
 
     assert isinstance(comfy_internals.kept_delegate(tiny_flux), Unavailable)  # a plain patcher keeps none
+    assert isinstance(comfy_internals.keep_delegate(tiny_flux, (tiny_flux.model, ())), Unavailable)
     monkeypatch.delattr(comfy.model_patcher.ModelPatcher, "get_clone_model_override")
-    assert isinstance(comfy_internals.keep_delegate(tiny_flux, tiny_flux.model), Unavailable)
+    assert isinstance(comfy_internals.delegate_override(tiny_flux, tiny_flux.model), Unavailable)
     monkeypatch.delattr(comfy.model_management, "unload_model_and_clones", raising=False)
     missing = comfy_internals.unload_model_and_clones(tiny_flux)
     assert isinstance(missing, Unavailable) and "unload_model_and_clones" in str(missing)
@@ -539,3 +540,48 @@ def test_import_inductor_names_the_modules_this_torch_lacks(monkeypatch):
     import sys
 
     assert "torch._inductor.choices" in sys.modules
+
+
+def test_hooked_weight_is_comfyuis_patch_hook_weight_to_device():
+    """A hook LoRA's patches on top of a weight, as FluxAccel merges them into an FP8 Linear, equal bit for bit the
+    weight ComfyUI's own patch_hook_weight_to_device writes (bf16: its stochastic rounding with the key's seed)."""
+    import comfy.hooks
+
+    from support.models import build_flux, lora_state_dict
+
+    base = build_flux("tiny")
+    key = f"diffusion_model.{LORA_LINEAR}.weight"
+    stored = base.model.diffusion_model.get_submodule(LORA_LINEAR).weight.detach().clone()
+    hooks = comfy.hooks.create_hook_lora(lora=lora_state_dict(base, [LORA_LINEAR]), strength_model=0.8,
+                                         strength_clip=0.0)
+    clone = base.clone()
+    clone.register_all_hook_patches(hooks, comfy.hooks.create_target_dict(comfy.hooks.EnumWeightTarget.Model))
+    combined = clone.get_combined_hook_patches(hooks=hooks)
+    ours = comfy_internals.hooked_weight(combined[key], key, stored, stored, torch.device("cpu"))
+    clone.patch_hooks(hooks)
+    theirs = clone.model.diffusion_model.get_submodule(LORA_LINEAR).weight
+    assert torch.equal(ours, theirs) and not torch.equal(ours, stored)
+    clone.unpatch_hooks()
+
+
+@pytest.mark.parametrize("name", ["comfy.lora.calculate_weight", "comfy.float.stochastic_rounding"])
+def test_hooked_weight_missing_refuses_the_fp8_hook_naming_it(monkeypatch, tiny_flux, name):
+    import importlib
+
+    from fluxaccel.core.quant.store import _hooked
+
+    where, attr = name.rsplit(".", 1)
+    monkeypatch.delattr(importlib.import_module(where), attr)
+    w = tiny_flux.model.diffusion_model.get_submodule(LORA_LINEAR).weight
+    missing = comfy_internals.hooked_weight([], "k", w, w, torch.device("cpu"))
+    assert isinstance(missing, Unavailable) and attr in str(missing)
+    with pytest.raises(FluxAccelError, match="hook LoRAs cannot be merged into FP8 weights here"):
+        _hooked([], "k", w, w, torch.device("cpu"))
+
+
+def test_hook_cache_mode_missing(monkeypatch, tiny_flux):
+    import comfy.hooks
+
+    assert comfy_internals.hooks_cached(tiny_flux) is True  # 0.33's default: MaxSpeed
+    monkeypatch.delattr(comfy.hooks, "EnumHookMode")
+    assert isinstance(comfy_internals.hooks_cached(tiny_flux), Unavailable)
