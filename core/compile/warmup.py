@@ -13,6 +13,7 @@ import comfy.sample
 import torch
 
 from ..errors import FluxAccelError
+from ..upstream import comfy_internals
 from ..models.flux import latent_scale, require_flux
 from ..models.synthetic import synthetic_conditioning_for
 from .patch import with_own_shapes
@@ -34,6 +35,10 @@ def _size(part: str, what: str) -> tuple[int, int]:
     w, h = int(m.group(1)), int(m.group(2))
     if w % 16 or h % 16 or w < 16 or h < 16:
         raise FluxAccelError(f"Warmup: {what} {w}x{h} is not a FLUX size; width and height must be multiples of 16")
+    top = comfy_internals.max_resolution()
+    if w > top or h > top:
+        raise FluxAccelError(f"Warmup: {what} {w}x{h} in resolutions is larger than ComfyUI's largest image side "
+                             f"({top}); write sizes of at most {top}x{top}")
     return w, h
 
 

@@ -388,6 +388,18 @@ def eager_init_ops():
     return type("EagerInitOps", (base,), {"Linear": Linear, "Embedding": Embedding})
 
 
+# -- ComfyUI's own bounds --------------------------------------------------------------------------------------------
+MAX_RESOLUTION_0_33 = 16384  # nodes.MAX_RESOLUTION in ComfyUI 0.33
+
+
+def max_resolution() -> int:
+    """The largest width or height ComfyUI's own latent nodes take (nodes.MAX_RESOLUTION, read where ComfyUI's nodes
+    module is loaded; 0.33's value elsewhere)."""
+    mod = sys.modules.get("nodes")
+    value = getattr(mod, "MAX_RESOLUTION", None)
+    return value if isinstance(value, int) and value > 0 else MAX_RESOLUTION_0_33
+
+
 # -- launch flags -----------------------------------------------------------------------------------------------------
 def launch_args() -> dict | Unavailable:
     """ComfyUI's launch flags as this process parsed them (comfy.cli_args.args), for a process FluxAccel starts."""
