@@ -12,6 +12,7 @@ from typing import Callable
 import comfy.sample
 import torch
 
+from ..budget import call_bytes, require_room
 from ..errors import FluxAccelError
 from ..upstream import comfy_internals
 from ..models.flux import latent_scale, require_flux
@@ -102,7 +103,12 @@ def _shapes(model, plan: WarmupPlan, positive, negative):
     dtype = model.model.get_dtype() if model.model.manual_cast_dtype is None else model.model.manual_cast_dtype
     ch = model.model.latent_format.latent_channels
     scale = latent_scale(model)
+    device = torch.device(model.load_device)
     for w, h, *listed in plan.resolutions:
+        tokens = (h // scale // 2) * (w // scale // 2) + text_len + sum(rh * rw for rw, rh in (listed[0] if listed
+                                                                                            else ())) // (scale * 2) ** 2
+        require_room(NODE, f"resolution {w}x{h} in resolutions (batch {batch_size})",
+                     call_bytes(model.model.diffusion_model, tokens, model_batch, dtype.itemsize, device), device)
         pos, neg = positive, negative
         if listed:
             pos, neg = (_with_references(c, listed[0], ch, scale) for c in (positive, negative))
