@@ -117,3 +117,21 @@ def test_reference_sizes_are_warmed_refused_under_strict_and_counted_under_recom
     assert [k.refs for k in compiled.stats.shapes] == [((16, 16),), ((16, 24),)]
     assert len(compiled.stats.compile_seconds) == 2 and compiled.stats.eager_calls == 0
     torch._dynamo.reset()
+
+
+def test_a_size_past_comfyuis_largest_or_past_free_memory_is_refused_naming_warmup_and_resolutions(tiny_flux):
+    """99984x99984 (past ComfyUI's MAX_RESOLUTION) and 16384x16384 (within it, but a model call of a million tokens
+    needs more memory than the machine has): each refused before anything is allocated, naming the node, the input
+    and the limit; a size that fits is planned."""
+    from fluxaccel.core.compile.warmup import WarmupPlan, _shapes
+    from fluxaccel.core.models.synthetic import synthetic_conditioning_for
+    from fluxaccel.core.upstream import comfy_internals
+
+    with pytest.raises(FluxAccelError, match=rf"Warmup: resolution 99984x99984 in resolutions is larger than "
+                                             rf"ComfyUI's largest image side \({comfy_internals.max_resolution()}\)"):
+        parse_resolutions("1024x1024, 99984x99984")
+    pos = synthetic_conditioning_for(tiny_flux.model.diffusion_model, 16)
+    with pytest.raises(FluxAccelError, match=r"Warmup \(FluxAccel\): resolution 16384x16384 in resolutions \(batch 1\) "
+                                             r"needs about [\d.]+ GiB on cpu, which has [\d.]+ GiB free"):
+        list(_shapes(tiny_flux, WarmupPlan(parse_resolutions("16384x16384")), pos, pos))
+    assert len(list(_shapes(tiny_flux, WarmupPlan(parse_resolutions("64x64")), pos, pos))) == 1
