@@ -94,19 +94,20 @@ def patched(patches: list, key: str, stored: torch.Tensor, device) -> torch.Tens
 
 def kept(sources: dict, key: str, stored: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The stored weight at `key` on `device`, kept in `sources` for the next merge of its Linear (a LoRA change then
-    reads no host memory), where the device has room beside twice ComfyUI's inference reserve; else `stored` as it
-    is (said once per set of sources)."""
+    reads no host memory), while the device keeps a quarter of its memory (at least twice ComfyUI's inference
+    reserve) free beside it for the sampler; else `stored` as it is (said once per set of sources)."""
     if key in sources:
         return sources[key]
     if device.type == "cpu" or stored.device == device or sources.get(_REFUSED):
         return stored
     from comfy import model_management as mm
 
-    room = mm.get_free_memory(device) - 2 * mm.minimum_inference_memory()
+    room = mm.get_free_memory(device) - max(2 * mm.minimum_inference_memory(), mm.get_total_memory(device) // 4)
     if room < stored.numel() * stored.element_size():
         sources[_REFUSED] = True
-        log.info("FluxAccel: %s has %.1f GiB free beside ComfyUI's reserve: each LoRA change reads the patched FP8 "
-                 "Linears' bf16 weights from host memory again", device, room / 1024**3)
+        log.info("FluxAccel: %s keeps the bf16 weights of %d patched FP8 Linears for LoRA changes; the others are "
+                 "read from host memory at each change (%.1f GiB free beside the sampler's share)", device,
+                 len(sources), max(room, 0) / 1024**3)
         return stored
     sources[key] = stored.to(device, copy=True)
     return sources[key]
