@@ -420,18 +420,6 @@ def import_inductor() -> list[str]:
     return missing
 
 
-# -- a tensor's in-place change counter -------------------------------------------------------------------------------
-def tensor_version(t: torch.Tensor) -> int | None | Unavailable:
-    """The tensor's version counter (autograd's Tensor._version: every in-place write adds one), which tells an
-    in-place change of its contents (ComfyUI's in-place weight patching, FluxAccel's FP8 merges); None for a tensor
-    made in inference mode, which keeps none."""
-    try:
-        version = getattr(t, "_version", None)
-    except RuntimeError:  # "Inference tensors do not track version counter"
-        return None
-    return version if isinstance(version, int) else _missing("Tensor._version")
-
-
 # -- dynamic dimensions ---------------------------------------------------------------------------------------------
 def mark_dynamic(t: torch.Tensor, dim: int) -> bool | Unavailable:
     """Tell torch.compile that `t`'s dimension `dim` varies between calls (torch._dynamo.mark_dynamic): one trace
