@@ -1,5 +1,5 @@
 """The ModelPatcher class of every clone a FluxAccel node makes: ComfyUI's own class (whatever the loader gave) with
-four of its weight-patching methods extended, so that ComfyUI's load / unpatch lifecycle -- its per-key patch lists,
+its weight-patching methods extended, so that ComfyUI's load / unpatch lifecycle -- its per-key patch lists,
 its backups and patches_uuid -- decides every weight write, including the FP8 Linears', and each write is counted
 (generations.py).
 
