@@ -10,21 +10,6 @@ from .errors import FluxAccelError
 ACTIVATION_WIDTHS = 24  # live hidden-width activations per token at a FLUX block's peak (QKV, MLP x4, residuals)
 
 
-def free_bytes(device: torch.device) -> int:
-    """Memory `device` can still give: the CUDA driver's free figure, or the host's MemAvailable."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-
-
 def call_bytes(dm: torch.nn.Module, tokens: int, batch: int, itemsize: int, device: torch.device) -> int:
     """An estimate of one FLUX model call's peak activation memory: the blocks' activations, and on a CPU (where
     attention may take PyTorch's math path) the attention scores of one head batch."""
@@ -37,8 +22,11 @@ def call_bytes(dm: torch.nn.Module, tokens: int, batch: int, itemsize: int, devi
 
 
 def require_room(node: str, what: str, need: int, device: torch.device) -> None:
-    """Refuse, naming the node and the input, what needs more than the device has free."""
-    free = free_bytes(device)
+    """Refuse, naming the node and the input, what needs more than the device has free (ComfyUI's own figure: the
+    GPU's free memory, or the host's available RAM)."""
+    from comfy import model_management as mm
+
+    free = mm.get_free_memory(torch.device(device))
     if need > free:
         raise FluxAccelError(f"{node}: {what} needs about {need / 1024**3:.1f} GiB on {device}, which has "
                              f"{free / 1024**3:.1f} GiB free; use a smaller size or batch")

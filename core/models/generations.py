@@ -43,11 +43,6 @@ class Generations:
     def stamp(self, key: str) -> tuple[int, int]:
         return self.serial, self._of.get(key, 0)
 
-    @property
-    def writes(self) -> int:
-        """Weights written so far (the stats)."""
-        return self.version
-
 
 def of_model(base) -> Generations:
     """The generations of the weights ComfyUI patches in this BaseModel's module tree (made at first use)."""

@@ -84,12 +84,11 @@ class FluxAccelPatching:
         try:
             return super().partially_unload(*args, **kwargs)
         finally:
-            restored = before - set(self.backup)
-            of_model(self.model).bump(restored)
-            of_model(self.model).patched.difference_update(restored)
+            restored, gens = before - set(self.backup), of_model(self.model)
+            gens.bump(restored)
+            gens.patched.difference_update(restored)
 
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False, *args, **kwargs):
-        _written_elsewhere(self)
         if not force_patch_weights and _switch_in_place(self, device_to):
             # the loaded clone's patches restored where they are (ComfyUI's own unpatch, without its move to the
             # offload device); ComfyUI then loads this clone onto weights that are already there

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import FluxAccelError
 from ..models import swaps
 from ..models.generations import Generations
 from ..upstream import Unavailable, comfy_internals
@@ -88,11 +89,7 @@ class Fp8Store:
     @property
     def merges(self) -> int:
         """Linears merged again so far (the stats)."""
-        return self.generations.writes
-
-    def keys(self) -> list[str]:
-        """The weight and bias keys of the FP8 Linears (what a weight patch on them names)."""
-        return [k for keys in self._keys.values() for k in keys]
+        return self.generations.version
 
     def key_of(self, key: str) -> str:
         """The Linear's name of a state-dict key of its (weight, bias, fp8_weight_scale, ...)."""
@@ -158,7 +155,6 @@ class Fp8Store:
         self.generations.bump((name,))
         self.merge_s += time.perf_counter() - t0
 
-
     def _stored(self, patcher, key: str, original: torch.Tensor, device: torch.device, patched: bool) -> torch.Tensor:
         """The stored weight at `key` (ComfyUI's backup where another clone's patch is applied to the live one now),
         from the copy kept on the device where there is one (source.kept)."""
@@ -171,8 +167,6 @@ def _hooked(hooks: list, key: str, weight: torch.Tensor, stored: torch.Tensor, d
     them (float32, then its stochastic rounding with the key's seed); `stored` is the weight before any patch."""
     t = comfy_internals.hooked_weight(hooks, key, weight, stored, device)
     if isinstance(t, Unavailable):
-        from ..errors import FluxAccelError
-
         raise FluxAccelError(f"Quantize FP8 (FluxAccel): this ComfyUI's hook patching is not where FluxAccel reads it "
                              f"({t}); hook LoRAs cannot be merged into FP8 weights here. Remove the hook LoRA or "
                              f"Quantize FP8.")
