@@ -146,7 +146,7 @@ def test_web_folder_is_the_only_http_surface_and_it_stays_inside(server):
 
 def test_many_prompts_host_memory_stays_flat(server, e2e_3072_model_file):
     """10 consecutive FP8 prompts, a new seed each (so each one samples) and Quantize FP8 rebuilt every prompt (its
-    granularity alternates, so ComfyUI replaces the previous FP8 clone): after the first three, resident memory grows
+    scope alternates, so ComfyUI replaces the previous FP8 clone; per-row, the granularity a CPU runs at its speed): after the first three, resident memory grows
     by less than 5 % of it per prompt (least-squares slope) and by less than 30 % in all. One FP8 clone kept per
     prompt would add ~0.3 GiB (~9 %) each time, 60 % over the seven prompts; the allocator's own growth while it
     settles (a CPU server keeps freed memory in its heap: tools/comfy_server.py's CPU_MALLOC) reached 3.1 %/prompt and
@@ -158,8 +158,8 @@ def test_many_prompts_host_memory_stays_flat(server, e2e_3072_model_file):
     rss, vm = [], []
     for i in range(10):
         g = flux_inputs(unet=E2E_3072_UNET)
-        g["4"] = {"class_type": "FluxAccelQuantizeFP8", "inputs": {"model": ["1", 0], "scope": "blocks",
-                                                                   "granularity": ("per_row", "per_tensor")[i % 2]}}
+        g["4"] = {"class_type": "FluxAccelQuantizeFP8", "inputs": {"model": ["1", 0], "granularity": "per_row",
+                                                                   "scope": ("blocks", "all_linear")[i % 2]}}
         g.update(sample_and_save("4", seed=1000 + i, steps=1, tag=f"soak{i}"))
         hist = server.run(g)
         assert "4" not in server.cached_nodes(hist), "Quantize FP8 must be rebuilt in every prompt"
