@@ -21,6 +21,26 @@ def call_bytes(dm: torch.nn.Module, tokens: int, batch: int, itemsize: int, devi
     return need
 
 
+def call_tokens(width: int, height: int, text_tokens: int, scale: int, references=()) -> int:
+    """The tokens of one FLUX model call at this image size (pixels; `scale` pixels per latent cell, 2x2 cells per
+    token), its text and its reference images ((width, height) pixels each)."""
+    cells = (scale * 2) ** 2
+    return (height * width) // cells + text_tokens + sum(rw * rh for rw, rh in references) // cells
+
+
+def require_call_room(node: str, what: str, model, width: int, height: int, batch: int, text_tokens: int,
+                      references=()) -> None:
+    """Refuse a model call of this size (a ComfyUI MODEL; batch as the model is called: cond and uncond together
+    above cfg 1) that does not fit what its load device has free."""
+    from .models.flux import latent_scale
+
+    bm = model.model
+    dtype = bm.manual_cast_dtype or bm.get_dtype()
+    device = torch.device(model.load_device)
+    tokens = call_tokens(width, height, text_tokens, latent_scale(model), references)
+    require_room(node, what, call_bytes(bm.diffusion_model, tokens, batch, dtype.itemsize, device), device)
+
+
 def require_room(node: str, what: str, need: int, device: torch.device) -> None:
     """Refuse, naming the node and the input, what needs more than the device has free (ComfyUI's own figure: the
     GPU's free memory, or the host's available RAM)."""

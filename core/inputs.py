@@ -22,13 +22,31 @@ def known_inputs(inputs: dict, known, removed: tuple[str, ...], node: str) -> di
     gone = {k: v for k, v in inputs.items() if k in removed}
     unknown = {k: v for k, v in inputs.items() if k not in known and k not in removed}
     if unknown:
-        raise FluxAccelError(" ".join(f"{node} has no input {k!r} (set to {v!r}); remove it from the workflow."
+        raise FluxAccelError(" ".join(f"{node} has no input {k!r} (set to {shown(v)}); remove it from the workflow."
                                       for k, v in unknown.items()))
     if gone:
         log.info("FluxAccel: %s: this workflow sets inputs the node no longer has (%s); FluxAccel decides them itself "
                  "now, and says what it decided in the node's text", node,
                  ", ".join(f"{k}={v!r}" for k, v in gone.items()))
     return {k: v for k, v in inputs.items() if k in known}
+
+
+def shown(value, limit: int = 60) -> str:
+    """A value as a message shows it: its repr, cut at `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def conditioning(value, node: str, name: str):
+    """A CONDITIONING input as ComfyUI's sampler takes it ([[tensor, dict], ...]), or an error naming the input."""
+    import torch
+
+    if not (isinstance(value, list) and value and all(
+            isinstance(c, (list, tuple)) and len(c) == 2 and torch.is_tensor(c[0]) and isinstance(c[1], dict)
+            for c in value)):
+        raise FluxAccelError(f"{node}: {name} is not conditioning (got {shown(value)}); connect a CONDITIONING "
+                             f"output (a text encoder's, or Synthetic FLUX Conditioning's) or leave it unconnected")
+    return value
 
 
 def node_inputs(cls, inputs: dict, removed: tuple[str, ...], node: str) -> dict:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .compile.patch import compiled_of, remove_compile
+from .parallel import patch as parallel_patch
 from .parallel.patch import remove_parallel
 from .quant.patch import fp8_state, remove_fp8
 from .upstream import degradations
@@ -23,7 +24,8 @@ def compute_dtype(model) -> str:
 def label(model) -> str:
     """e.g. 'bf16', 'fp32' (what the model computes in), 'fp8-per_row', 'fp8-per_row+compile+graphs',
     'fp8-per_row-blocks+modulation' (the scope is named when it is not the default 'blocks'),
-    '...+compile+graphs+fp8-attention'. '+graphs' only where CUDA graphs run (a GPU, none lost)."""
+    '...+compile+graphs+fp8-attention', 'bf16+parallel-2gpus' ('+parallel-2cpu-workers' on a machine without CUDA
+    devices). '+graphs' only where CUDA graphs run (a GPU, none lost)."""
     fp8 = fp8_state(model)
     name = compute_dtype(model)
     if fp8:
@@ -36,6 +38,9 @@ def label(model) -> str:
             name += f"+{c.cfg.mode}"
         if c.cfg.attention != "cudnn":
             name += f"+{c.cfg.attention}-attention"
+    p = parallel_patch.parallel_of(model)
+    if p is not None:
+        name += parallel_patch.label(p)
     return name
 
 

@@ -10,17 +10,23 @@ import torch
 from comfy_api.latest import io, ui
 
 from ..core import env
+from ..core.budget import require_call_room
+from ..core.inputs import conditioning
 from ..core.bench import chart, results
-from ..core.bench.benchmark import BenchCase, Hooks, LEGEND, benchmark, markdown_table, rows_to_dicts, table_cells
+from ..core.bench.benchmark import (BenchCase, Hooks, LEGEND, NODE, benchmark, check_label, markdown_table,
+                                    rows_to_dicts, table_cells)
 from ..core.bench.benchmark import notes as bench_notes
 from ..core.compile.patch import compiled_of
 from ..core.models.flux import require_flux
 from ..core import patches
-from ..core.models.synthetic import synthetic_conditioning_for
+from ..core.models.synthetic import TEXT_LENGTH, TEXT_LENGTH_LIMIT, synthetic_conditioning_for
+from ..core.upstream import comfy_internals
 from . import ids
 from .events import compiled_state
+from .validation import parses
 
 log = logging.getLogger("fluxaccel.bench")
+_C = BenchCase()  # the case's defaults: the one home of the node's defaults
 
 
 def zeroed(conditioning):
@@ -32,6 +38,7 @@ def zeroed(conditioning):
 class Benchmark(io.ComfyNode):
     @classmethod
     def define_schema(cls):
+        top = comfy_internals.max_resolution()
         return io.Schema(
             node_id=ids.BENCHMARK,
             display_name="Benchmark (FluxAccel)",
@@ -49,19 +56,29 @@ class Benchmark(io.ComfyNode):
                 io.Conditioning.Input("negative", optional=True,
                                       tooltip="Negative conditioning (used with cfg > 1); default: the positive zeroed "
                                               "out (as ConditioningZeroOut) when a positive is connected, else synthetic."),
-                io.Int.Input("text_length", default=512, min=1, max=4096, tooltip="T5 tokens of the synthetic conditioning."),
-                io.Int.Input("width", default=1024, min=64, max=8192, step=16, tooltip="Image width in pixels."),
-                io.Int.Input("height", default=1024, min=64, max=8192, step=16, tooltip="Image height in pixels."),
-                io.Int.Input("steps", default=28, min=1, max=1000, tooltip="Sampling steps per image."),
-                io.Int.Input("runs", default=3, min=1, max=100, tooltip="Timed runs per model (after one first run)."),
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=True,
-                             tooltip="Noise seed, the same for both models."),
-                io.Float.Input("cfg", default=1.0, min=1.0, max=30.0, step=0.1, tooltip="CFG scale; >1 runs cond+uncond (batch 2)."),
-                io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="euler", tooltip="Sampler."),
-                io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="simple", tooltip="Scheduler."),
-                io.String.Input("label", default="", tooltip="Name of the accelerated row; empty: derived from the model's patches."),
+                # the case's figures in view, the rest among the advanced inputs (the order is the one saved
+                # workflows list their widget values in)
+                io.Int.Input("text_length", default=TEXT_LENGTH, min=1, max=TEXT_LENGTH_LIMIT,
+                             advanced=True, tooltip="Text tokens of the synthetic conditioning (no positive connected)."),
+                io.Int.Input("width", default=_C.width, min=64, max=top, step=16, tooltip="Image width in pixels."),
+                io.Int.Input("height", default=_C.height, min=64, max=top, step=16, tooltip="Image height in pixels."),
+                io.Int.Input("steps", default=_C.steps, min=1, max=1000, tooltip="Sampling steps per image."),
+                io.Int.Input("runs", default=_C.runs, min=1, max=100, tooltip="Timed runs per model (after one first run)."),
+                io.Int.Input("seed", default=_C.seed, min=0, max=2**31 - 1, control_after_generate=True,
+                             advanced=True, tooltip="Noise seed, the same for both models."),
+                io.Float.Input("cfg", default=_C.cfg, min=1.0, max=30.0, step=0.1, advanced=True,
+                               tooltip="CFG scale; >1 runs cond+uncond (batch 2)."),
+                io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default=_C.sampler,
+                               advanced=True, tooltip="Sampler."),
+                io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default=_C.scheduler,
+                               advanced=True, tooltip="Scheduler."),
+                io.String.Input("label", default="", advanced=True,
+                                tooltip="Name of the accelerated row; empty: derived from the model's patches."),
             ],
-            outputs=[io.String.Output(display_name="table"), io.Image.Output(display_name="chart")],
+            outputs=[io.String.Output(display_name="table", tooltip="The results as a markdown table (also saved as "
+                                                                    ".md and .json under output/fluxaccel)."),
+                     io.Image.Output(display_name="chart", tooltip="The results drawn as a chart (also saved as .png "
+                                                                   "under output/fluxaccel).")],
         )
 
     @classmethod
@@ -71,15 +88,26 @@ class Benchmark(io.ComfyNode):
         return uuid.uuid4().hex
 
     @classmethod
+    def validate_inputs(cls, label=""):
+        return parses(check_label, label)
+
+    @classmethod
     def execute(cls, model, text_length, width, height, steps, runs, seed, cfg, sampler_name, scheduler, label,
                 baseline=None, positive=None, negative=None) -> io.NodeOutput:
-        dm = require_flux(model, "Benchmark (FluxAccel)")
+        dm = require_flux(model, NODE, "measures")
+        if baseline is not None:
+            require_flux(baseline, NODE, "measures", "baseline")
+        for name, value in (("positive", positive), ("negative", negative)):
+            if value is not None:
+                conditioning(value, NODE, name)
         base = baseline if baseline is not None else patches.strip(model)
         negative = negative or (zeroed(positive) if positive else None)
         positive = positive or synthetic_conditioning_for(dm, text_length, seed=seed)
         negative = negative or synthetic_conditioning_for(dm, positive[0][0].shape[1], seed=seed + 1)
         case = BenchCase(width=width, height=height, steps=steps, runs=runs, seed=seed, cfg=cfg,
                          sampler=sampler_name, scheduler=scheduler)
+        require_call_room(NODE, f"width and height {width}x{height}", model, width, height,
+                          2 if cfg > 1 else 1, positive[0][0].shape[1])
         base_label = patches.label(base)
         models = [(base_label if "compile" in base_label else "eager-" + base_label, base),
                   (label or patches.label(model), model)]

@@ -1,6 +1,6 @@
 from comfy_api.latest import io
 
-from ..core.compile.config import ATTENTIONS, MODES, POLICIES, CompileConfig
+from ..core.compile.config import ATTENTIONS, MODES, POLICIES, SHAPES_LIMIT, CompileConfig
 from ..core.compile.patch import NODE, apply_compile
 from ..core.inputs import node_defaults
 from . import ids
@@ -25,7 +25,7 @@ class Compile(io.ComfyNode):
                                tooltip="recompile: each new size or prompt length compiles (beside the running "
                                        "model), up to max_shapes; more run uncompiled. strict: another shape is an "
                                        "error. eager_fallback: only the first compiles."),
-                io.Int.Input("max_shapes", default=_D["max_shapes"][0], min=1, max=64, optional=True,
+                io.Int.Input("max_shapes", default=_D["max_shapes"][0], min=1, max=SHAPES_LIMIT, optional=True,
                              advanced=_D["max_shapes"][1],
                              tooltip="How many shapes this model may compile (recompile policy, Warmup)."),
                 io.Combo.Input("attention", options=list(ATTENTIONS), default=_D["attention"][0], optional=True,

@@ -4,12 +4,18 @@ import comfy.model_management
 import comfy.utils
 from comfy_api.latest import io, ui
 
+from ..core.bench.benchmark import BenchCase
 from ..core.compile.patch import compiled_of
 from ..core.compile.warmup import NODE, REMOVED_INPUTS, TICKS, WarmupPlan, parse_resolutions, warmup
 from ..core.inputs import known_inputs
+from ..core.models.synthetic import TEXT_LENGTH_LIMIT
 from . import ids
 from .events import progress_text
 from .validation import parses
+
+
+_P = WarmupPlan(resolutions=[])  # the plan's defaults: the one home of the node's defaults
+_B = BenchCase()  # the size it warms by default: the Benchmark's
 
 
 class _Bar:
@@ -44,15 +50,17 @@ class Warmup(io.ComfyNode):
                         "sampling run, before the first real prompt; each shape becomes an allowed compiled shape.",
             inputs=[
                 io.Model.Input("model", tooltip="A FLUX model from Compile (FluxAccel), optionally FP8-quantized."),
-                io.String.Input("resolutions", default="1024x1024",
+                io.String.Input("resolutions", default=f"{_B.width}x{_B.height}",
                                 tooltip="Image sizes to prepare, WIDTHxHEIGHT separated by commas, e.g. 1024x1024, 832x1216."),
-                io.Int.Input("batch_size", default=1, min=1, max=64, tooltip="Images per prompt (EmptyLatentImage batch)."),
-                io.Int.Input("text_length", default=256, min=1, max=4096,
-                             tooltip="T5 tokens of the prompts: 256 is ComfyUI's FLUX padding; 512 is common. "
+                io.Int.Input("batch_size", default=_P.batch_size, min=1, max=64,
+                             tooltip="Images per prompt (EmptyLatentImage batch)."),
+                io.Int.Input("text_length", default=_P.text_length, min=1, max=TEXT_LENGTH_LIMIT,
+                             tooltip="Text tokens of the prompts (256: ComfyUI's FLUX.1 padding of a short prompt). "
                                      "Ignored when conditioning is connected."),
-                io.Float.Input("cfg", default=1.0, min=1.0, max=30.0, step=0.1,
+                io.Float.Input("cfg", default=_P.cfg, min=1.0, max=30.0, step=0.1,
                                tooltip="The KSampler cfg you will use: 1 runs batch 1, above 1 runs cond+uncond (batch 2)."),
-                io.Int.Input("steps", default=2, min=1, max=100, tooltip="Sampling steps per shape (2 compiles and captures)."),
+                io.Int.Input("steps", default=_P.steps, min=1, max=100,
+                             tooltip="Sampling steps per shape (2 compiles and captures)."),
                 io.Conditioning.Input("positive", optional=True, tooltip="Your positive conditioning (sets the text length)."),
                 io.Conditioning.Input("negative", optional=True, tooltip="Your negative conditioning."),
             ],

@@ -2,13 +2,16 @@
 # Idempotent set-up from nothing, for the ComfyUI 0.33.0 host:
 #   .venv                       torch, torchao and the test tools (requirements-dev.txt)
 #   .cache/venv-0.33.0          ComfyUI's requirements; it sees .venv's packages through a .pth file
-#   .cache/ComfyUI-0.33.0       the ComfyUI tree (tools/host.py: COMFYUI_DIR, a release archive, or a download),
-#                               the plugin linked into its custom_nodes/
+#   .cache/ComfyUI-0.33.0       the ComfyUI tree (tools/host.py: COMFYUI_DIR, a release archive, or a download;
+#                               found first, before anything is installed), the plugin linked into its custom_nodes/
 # Prints the host's Python on stdout; progress goes to stderr.
 # A Python that already has torch + torchvision (e.g. a GPU box) can be used instead: FLUXACCEL_PYTHON=python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "[setup] $*" >&2; }
+# ComfyUI first: a missing archive is said before several GB of packages are installed
+say "finding ComfyUI (tools/host.py --source-only)"
+python3 tools/host.py --source-only >/dev/null
 if [ -n "${FLUXACCEL_PYTHON:-}" ]; then
   PY="$FLUXACCEL_PYTHON"
 else

@@ -34,6 +34,18 @@ def _private_compile_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_comfy_folders(tmp_path_factory):
+    """ComfyUI's output, input, temp and user folders of this process in this test session's temporary folder (as
+    the servers' are in theirs), not in the ComfyUI tree."""
+    import folder_paths
+
+    for name in ("output", "input", "temp", "user"):
+        path = tmp_path_factory.mktemp(f"comfy-{name}")
+        getattr(folder_paths, f"set_{name}_directory")(str(path))
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_warm_start(request, tmp_path, monkeypatch):
     """Tests share the session's compile-cache folder: a warm-start package that one test wrote (same tiny model

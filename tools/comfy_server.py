@@ -110,7 +110,8 @@ class ComfyServer:
         cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(self.port),
                "--output-directory", str(self.workdir / "output"), "--input-directory", str(self.workdir / "input"),
                "--temp-directory", str(self.workdir / "temp"), "--user-directory", str(self.workdir / "user"),
-               "--extra-model-paths-config", str(paths), "--disable-auto-launch", *self.extra_args]
+               "--extra-model-paths-config", str(paths), "--disable-auto-launch", *self._database_args(),
+               *self.extra_args]
         env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1"}
         if "--cpu" in self.extra_args:
             for k, v in CPU_MALLOC.items():
@@ -133,6 +134,15 @@ class ComfyServer:
                 time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"ComfyUI did not answer within {timeout}s:\n{self.log_tail()}")
+
+    def _database_args(self) -> list[str]:
+        """ComfyUI's sqlite database in this server's user folder: its default (ComfyUI/user/comfyui.db) is in a
+        folder that only exists once ComfyUI ran with its own user folder, else its start logs an [ERROR]. Only where
+        this ComfyUI has the flag (0.3.4x and later)."""
+        cli = self.comfy_dir / "comfy" / "cli_args.py"
+        if "--database-url" not in (cli.read_text(errors="replace") if cli.is_file() else ""):
+            return []
+        return ["--database-url", f"sqlite:///{self.workdir / 'user' / 'comfyui.db'}"]
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

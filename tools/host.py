@@ -129,7 +129,9 @@ def _link_plugin(cdir: Path) -> Path:
     return link
 
 
-def ensure_host() -> Path:
+def ensure_source() -> Path:
+    """The ComfyUI tree, unpacked from its archive where it is not there yet (downloaded where needed), or a
+    SystemExit that says where to put it: what setup checks before it installs anything."""
     cdir = comfy_dir()
     if not (cdir / "comfy").is_dir():
         if os.environ.get("COMFYUI_DIR"):
@@ -138,6 +140,11 @@ def ensure_host() -> Path:
         _unpack(_archive(), cdir)
     else:
         log.info("ComfyUI present at %s", cdir)
+    return cdir
+
+
+def ensure_host() -> Path:
+    cdir = ensure_source()
     missing = _missing(_requirements(cdir))
     if missing and os.environ.get("FLUXACCEL_HOST_NO_INSTALL"):
         # offline machines (the lent GPU): ComfyUI starts without its optional packages; say what is missing
@@ -200,12 +207,14 @@ CPU_SERVER_ARGS = ("--cpu", "--bf16-unet", "--use-pytorch-cross-attention")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--print-dir", action="store_true", help="only print the ComfyUI folder that would be used")
+    ap.add_argument("--source-only", action="store_true",
+                    help="only find and unpack ComfyUI, installing nothing (any Python 3.10+, before the set-up)")
     a = ap.parse_args()
     if a.print_dir:
         print(comfy_dir())
         return
     logging.basicConfig(level=logging.INFO, format="[host] %(message)s")
-    print(ensure_host())
+    print(ensure_source() if a.source_only else ensure_host())
 
 
 if __name__ == "__main__":

@@ -23,12 +23,23 @@ import comfy.samplers
 import torch
 
 from ..compile.patch import compiled_of
+from ..errors import FluxAccelError
 from ..models.flux import latent_scale
 from .metrics import rel_err, sqnr_db
 
 log = logging.getLogger("fluxaccel.bench")
 
+NODE = "Benchmark (FluxAccel)"
 FIDELITY_SIGMAS = (0.9, 0.5, 0.1)
+LABEL_LIMIT = 100  # characters of a row's label (the table, the chart's legend, the results' file names)
+
+
+def check_label(label) -> None:
+    """A row label the table, the chart and the file names can carry, or an error naming the input."""
+    if not isinstance(label, str):
+        raise FluxAccelError(f"{NODE}: label must be text, got {type(label).__name__}")
+    if len(label) > LABEL_LIMIT:
+        raise FluxAccelError(f"{NODE}: label is {len(label)} characters long; write at most {LABEL_LIMIT}")
 
 
 @dataclass

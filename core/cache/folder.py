@@ -29,6 +29,18 @@ def default_dir() -> Path:
         return Path.home() / ".cache" / "fluxaccel" / "compile-cache"
 
 
+def temp_dir() -> str | None:
+    """ComfyUI's temp folder (emptied at each ComfyUI start), for FluxAccel's short-lived files; None: the system's."""
+    try:
+        import folder_paths
+
+        path = Path(folder_paths.get_temp_directory())
+        path.mkdir(parents=True, exist_ok=True)
+        return str(path)
+    except (ImportError, AttributeError, OSError):
+        return None
+
+
 def package_version(pkg: str) -> str | None:
     try:
         return md.version(pkg)

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from . import persistence
+from ..budget import call_bytes, require_room
 from .blocks import BlockTable
 from .call_graphs import CallGraphs
-from .config import CompileConfig
+from .config import NODE, CompileConfig
 from .options import attention_override, refuse_unsupported
 from .runner import ModelCall, Runner
 from .wrappers import outer, run_around
@@ -149,7 +150,9 @@ class CompiledFlux(torch.nn.Module):
         if decision == "eager":  # eager_fallback for a shape that is not compiled: counted, and logged by the policy
             self.stats.eager_calls += 1
             return call.run(self._dm)
-        if decision == "new":
+        if decision == "new":  # compile buffers and a CUDA graph pool of this size: only where the call fits
+            require_room(NODE, f"a model call at {key.describe()}", call_bytes(
+                self._dm, key.tokens(), key.batch, call.x.element_size(), call.x.device), call.x.device)
             self.stats.shapes.append(key)
         if key in self.stats.compile_seconds:
             with self.telemetry.warm_call(call.x):

@@ -33,6 +33,10 @@ REMOVED_INPUTS: tuple[str, ...] = ("cuda_graphs", "persistent_cache", "block_reg
                                    "single_blocks", "graph_capture", "stage_inputs", "modulation_table", "clear_cache")
 
 
+NODE = "Compile + CUDA Graph (FluxAccel)"
+SHAPES_LIMIT = 64  # the most shapes one compiled model may hold (max_shapes; Warmup's resolutions list)
+
+
 @dataclass(frozen=True)
 class CompileConfig:
     resolution_policy: str = dataclasses.field(default="recompile", metadata=node_field())
@@ -56,8 +60,8 @@ class CompileConfig:
                 raise FluxAccelError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.dynamic_tokens and self.separate_process:
             raise FluxAccelError("dynamic_tokens compiles in the call: set separate_process to False with it")
-        if self.max_shapes < 1:
-            raise FluxAccelError(f"max_shapes must be at least 1, got {self.max_shapes}")
+        if not 1 <= self.max_shapes <= SHAPES_LIMIT:
+            raise FluxAccelError(f"max_shapes must be from 1 to {SHAPES_LIMIT}, got {self.max_shapes}")
 
     @classmethod
     def from_inputs(cls, inputs: dict, node: str) -> "CompileConfig":

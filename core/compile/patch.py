@@ -20,7 +20,7 @@ from ..models.loaded import PARALLEL_KEY, compiled_elsewhere
 from ..upstream import Unavailable, comfy_internals, torch_internals
 from . import fp8_attention, mod_table, single_block
 from .compiled import CompiledFlux, Setup
-from .config import CompileConfig
+from .config import NODE, CompileConfig
 from .keys import cache_key
 from .staging import staging_wrapper
 
@@ -30,7 +30,6 @@ COMPILE_KEY = "fluxaccel.compile"
 KEEP = 4  # compiled models kept per loaded model for its later clones (another LoRA strength reuses one)
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # BaseModel -> {what it depends on: CompiledFlux}
 COMFY_COMPILE_KEY = comfy_internals.COMFY_COMPILE_KEY
-NODE = "Compile + CUDA Graph (FluxAccel)"
 
 
 def _apply_model_type() -> str:

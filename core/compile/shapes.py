@@ -29,6 +29,10 @@ class ShapeKey:
     ref_method: str = ""
     scale: int = field(default=8, compare=False)
 
+    def tokens(self) -> int:
+        """The tokens of one model call of this shape: the image's 2x2 latent patches, its references', the text."""
+        return (self.height // 2) * (self.width // 2) + sum((h // 2) * (w // 2) for h, w in self.refs) + self.text_len
+
     def describe(self) -> str:
         s = self.scale
         text = (f"batch {self.batch}, latent {self.height}x{self.width} ({self.width * s}x{self.height * s} px), "

@@ -12,11 +12,13 @@ from typing import Callable
 import comfy.sample
 import torch
 
-from ..budget import call_bytes, require_room
+from ..budget import require_call_room
 from ..errors import FluxAccelError
+from ..inputs import conditioning
 from ..upstream import comfy_internals
 from ..models.flux import latent_scale, require_flux
-from ..models.synthetic import synthetic_conditioning_for
+from ..models.synthetic import TEXT_LENGTH, synthetic_conditioning_for
+from .config import SHAPES_LIMIT
 from .patch import with_own_shapes
 from .progress import Report
 from .shapes import ShapeKey, dtype_name, references
@@ -29,13 +31,15 @@ TICKS = 100  # the Warmup node's progress-bar units per sampling step: its bar a
 
 
 def _size(part: str, what: str) -> tuple[int, int]:
-    m = re.fullmatch(r"(\d+)\s*[x×X*]\s*(\d+)", part)
+    m = re.fullmatch(r"(\d{1,9})\s*[x×X*]\s*(\d{1,9})", part)
     if not m:
-        raise FluxAccelError(f"Warmup: cannot read {what} {part!r}; write WIDTHxHEIGHT, e.g. 1024x1024, 832x1216, "
-                             f"and a reference image's size after a '+', e.g. 1024x1024+1024x1024")
+        shown = part if len(part) <= 40 else part[:40] + "..."
+        raise FluxAccelError(f"Warmup: cannot read {what} {shown!r} in resolutions; write WIDTHxHEIGHT, e.g. "
+                             f"1024x1024, 832x1216, and a reference image's size after a '+', e.g. 1024x1024+1024x1024")
     w, h = int(m.group(1)), int(m.group(2))
     if w % 16 or h % 16 or w < 16 or h < 16:
-        raise FluxAccelError(f"Warmup: {what} {w}x{h} is not a FLUX size; width and height must be multiples of 16")
+        raise FluxAccelError(f"Warmup: {what} {w}x{h} in resolutions is not a FLUX size; width and height must be "
+                             f"multiples of 16")
     top = comfy_internals.max_resolution()
     if w > top or h > top:
         raise FluxAccelError(f"Warmup: {what} {w}x{h} in resolutions is larger than ComfyUI's largest image side "
@@ -47,10 +51,15 @@ def parse_resolutions(text: str) -> list[tuple]:
     """'1024x1024, 832x1216' -> [(1024, 1024), (832, 1216)] as (width, height); multiples of 16 only. A size with
     reference images (FLUX.1 Kontext, FLUX.2 editing) lists them after '+': '1024x1024+1024x1024' ->
     (1024, 1024, ((1024, 1024),))."""
+    if not isinstance(text, str):
+        raise FluxAccelError(f"Warmup: resolutions must be text, e.g. 1024x1024, got {type(text).__name__}")
     out = []
     for part in re.split(r"[,;\s]+", text.strip()):
         if not part:
             continue
+        if len(out) == SHAPES_LIMIT:
+            raise FluxAccelError(f"Warmup: resolutions lists more than {SHAPES_LIMIT} sizes, the most one compiled "
+                                 f"model holds; list the sizes your workflows use")
         image, *refs = part.split("+")
         entry = _size(image, "resolution")
         if refs:
@@ -90,7 +99,7 @@ class WarmupPlan:
 
     resolutions: list[tuple]
     batch_size: int = 1
-    text_length: int = 256
+    text_length: int = TEXT_LENGTH
     cfg: float = 1.0
     steps: int = 2
 
@@ -103,12 +112,9 @@ def _shapes(model, plan: WarmupPlan, positive, negative):
     dtype = model.model.get_dtype() if model.model.manual_cast_dtype is None else model.model.manual_cast_dtype
     ch = model.model.latent_format.latent_channels
     scale = latent_scale(model)
-    device = torch.device(model.load_device)
     for w, h, *listed in plan.resolutions:
-        tokens = (h // scale // 2) * (w // scale // 2) + text_len + sum(rh * rw for rw, rh in (listed[0] if listed
-                                                                                            else ())) // (scale * 2) ** 2
-        require_room(NODE, f"resolution {w}x{h} in resolutions (batch {batch_size})",
-                     call_bytes(model.model.diffusion_model, tokens, model_batch, dtype.itemsize, device), device)
+        require_call_room(NODE, f"resolution {w}x{h} in resolutions (batch_size {batch_size})", model, w, h,
+                          model_batch, text_len, listed[0] if listed else ())
         pos, neg = positive, negative
         if listed:
             pos, neg = (_with_references(c, listed[0], ch, scale) for c in (positive, negative))
@@ -131,6 +137,9 @@ def warmup(model, plan: WarmupPlan, positive=None, negative=None, on_step: Calla
     keeps its own shapes and policy, also when warming up fails. on_step() after every sampling step;
     on_compile(text, seconds): every second while a shape compiles (progress.py)."""
     dm = require_flux(model, NODE)
+    for name, value in (("positive", positive), ("negative", negative)):
+        if value is not None:
+            conditioning(value, NODE, name)
     if positive is None:
         positive = synthetic_conditioning_for(dm, plan.text_length)
     if negative is None:

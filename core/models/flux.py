@@ -20,13 +20,13 @@ def diffusion_model(model) -> torch.nn.Module:
     return model.get_model_object("diffusion_model")
 
 
-def require_flux(model, node: str) -> torch.nn.Module:
+def require_flux(model, node: str, does: str = "accelerates", name: str = "model") -> torch.nn.Module:
     """Return the diffusion model of a ComfyUI MODEL of a supported FLUX architecture (profiles.py), or raise naming
-    what was received."""
+    what its input `name` received and what the node does ("<node> accelerates FLUX.1 ...")."""
     base = getattr(model, "model", None)
     dm = getattr(base, "diffusion_model", None)
     kind = type(base).__name__ if base is not None else type(model).__name__
-    require_profile(dm, kind, node)
+    require_profile(dm, kind, node, does, name)
     return dm
 
 

@@ -105,8 +105,8 @@ def profile_of(dm) -> Profile | None:
 SUPPORTED = "FLUX.1 (dev, schnell, Fill, Kontext and fine-tunes), FLUX.2 ([dev], [klein]) and Chroma"
 
 
-def require_profile(dm, kind: str, node: str) -> Profile:
-    """The profile of `dm`, or an error naming what was received and what FluxAccel accelerates."""
+def require_profile(dm, kind: str, node: str, does: str = "accelerates", name: str = "model") -> Profile:
+    """The profile of `dm`, or an error naming what was received and what the node does for which models."""
     found = profile_of(dm)
     if found is not None:
         return found
@@ -114,6 +114,6 @@ def require_profile(dm, kind: str, node: str) -> Profile:
     why = (" (Chroma Radiance works in pixel space with its own decoder head, which FluxAccel does not accelerate)"
            if inner == "ChromaRadiance" else "")
     raise FluxAccelError(
-        f"{node} accelerates {SUPPORTED} diffusion models, but received a {kind} model (diffusion model class "
+        f"{node} {does} {SUPPORTED} diffusion models, but its {name} input received a {kind} model (diffusion model class "
         f"{inner}){why}. Connect the MODEL output of a supported checkpoint or UNETLoader, or bypass this node for "
         f"this model.")

@@ -36,6 +36,12 @@ from ..upstream import comfy_internals
 
 log = logging.getLogger("fluxaccel.models")
 
+# The synthetic conditioning's text tokens where a node makes it (Synthetic FLUX Conditioning, Warmup, Benchmark):
+# what ComfyUI's FLUX.1 T5 tokenizer pads a prompt to (FLUX.2's model pads its text to 512 itself); at most
+# TEXT_LENGTH_LIMIT.
+TEXT_LENGTH = 256
+TEXT_LENGTH_LIMIT = 4096
+
 _BASE = dict(
     image_model="flux", in_channels=16, out_channels=16, patch_size=2, mlp_ratio=4.0, theta=10000,
     qkv_bias=True, axes_dim=[16, 56, 56], num_heads=24, hidden_size=3072, context_in_dim=4096, vec_in_dim=768,

@@ -27,7 +27,7 @@ from ..models.patcher import stamp
 from ..quant.patch import fp8_state
 from ..upstream import comfy_internals
 from .config import ParallelConfig
-from .workers import Workers
+from .workers import Workers, where
 
 log = logging.getLogger("fluxaccel.parallel")
 
@@ -94,7 +94,7 @@ class ParallelFlux(torch.nn.Module):
         """The node's text: where the workers run and what they have done so far."""
         w = self.workers
         state = "running" if w.procs else "start at the first model call"
-        return (f"each model call's tokens split over {len(w.devices)} workers ({', '.join(w.devices)}), attention "
+        return (f"each model call's tokens split over {where(w.devices)}, attention "
                 f"gathered by yunchang's Ulysses all-to-all; "
                 f"{'each block kind compiled once in each worker' if w.cfg.compile_blocks else 'blocks uncompiled'}, "
                 f"calls not captured into CUDA graphs; "
@@ -131,9 +131,16 @@ def kind_of(clone) -> tuple:
     return fp8, tuple(sorted((k, id(v)) for k, v in swaps.items(clone) if k not in ours))
 
 
+def label(parallel: "ParallelFlux") -> str:
+    """The Benchmark row's part for Parallel: '+parallel-2gpus', or '+parallel-2cpu-workers'."""
+    d = parallel.workers.devices
+    return f"+parallel-{len(d)}" + ("cpu-workers" if all(x == "cpu" for x in d) else "gpus")
+
+
 def devices_for(cfg: ParallelConfig, load_device: torch.device, node: str) -> list[str]:
     """One device per worker: the first `gpus` CUDA devices on a CUDA machine; on the CPU, CPU processes."""
     if load_device.type != "cuda":
+        log.warning("FluxAccel: %s: no CUDA device: %s", node, where(["cpu"] * cfg.gpus))
         return ["cpu"] * cfg.gpus
     have = torch.cuda.device_count()
     if have < cfg.gpus:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache import folder
 from ..compile import skeleton
 from ..errors import FluxAccelError
 from ..upstream import Unavailable, comfy_internals, say, torch_internals
@@ -36,6 +37,14 @@ log = logging.getLogger("fluxaccel.parallel")
 PACKAGE = __name__.rsplit(".core.", 1)[0]  # the name this plugin's package is imported under (ComfyUI: its folder)
 WORKER = Path(__file__).with_name("worker.py")
 CANCEL_GRACE_S = 1.0  # after Cancel, how long a call in flight may still finish before the workers are stopped
+
+
+def where(devices: list[str]) -> str:
+    """Where the workers run, as every place that shows it says it: '2 GPUs (cuda:0, cuda:1)', or on a machine
+    without CUDA devices '2 CPU workers'."""
+    if all(d == "cpu" for d in devices):
+        return f"{len(devices)} CPU workers (no CUDA device: gpus counts processes on this machine's CPU)"
+    return f"{len(devices)} GPUs ({', '.join(devices)})"
 
 
 class WorkerDied(FluxAccelError):
@@ -97,9 +106,10 @@ class Workers:
         flags = comfy_internals.launch_args()
         if isinstance(flags, Unavailable):
             raise FluxAccelError(f"{self.node}: cannot start the workers: {flags} (they need ComfyUI's launch flags)")
-        self.work, authkey = tempfile.TemporaryDirectory(prefix="fluxaccel-parallel-"), secrets.token_bytes(16)
+        self.work = tempfile.TemporaryDirectory(prefix="fluxaccel-parallel-", dir=folder.temp_dir())
+        authkey = secrets.token_bytes(16)
         work, listener = Path(self.work.name), Listener(("127.0.0.1", 0), authkey=authkey)
-        tell(f"starting {len(self.devices)} workers ({', '.join(self.devices)})")
+        tell(f"starting {where(self.devices)}")
         try:
             job = {"world": len(self.devices), "address": listener.address, "authkey": authkey.hex(), "init_method":
                    f"file://{work / 'group'}", "timeout_s": self.cfg.timeout_s, "compile_blocks":

@@ -71,7 +71,7 @@ def fp8_home(model, device: torch.device, fp8_bytes: int, report: Fp8Report) -> 
     RAM)."""
 
     offload = torch.device(model.offload_device)
-    if device.type == "cpu" or device == offload:
+    if device == offload:  # (a CPU server: both the CPU)
         return offload
     room = mm.get_free_memory(device) - mm.minimum_inference_memory()
     home = device if room > fp8_bytes else offload

@@ -83,55 +83,13 @@ try {
   await page.evaluate(() => { window.app.canvas.ds.offset = window.__fluxaccelView; });
   await page.waitForTimeout(500);
 
-  // 3. every template as loaded (the frontend may enlarge a node it finds too small): no two nodes overlap
-  step("template layouts");
-  result.overlaps = await page.evaluate(async () => {
-    const names = await (await fetch("/workflow_templates")).json();
-    const out = {};
-    for (const name of names["comfyui-fluxaccel"] || []) {
-      const data = await (await fetch(`/api/workflow_templates/comfyui-fluxaccel/${name}.json`)).json();
-      await window.app.loadGraphData(data, true, false, name);
-      await new Promise((r) => setTimeout(r, 300));
-      const title = window.LiteGraph.NODE_TITLE_HEIGHT || 30;
-      const rects = window.app.graph._nodes.map((n) => ({ id: n.id, x: n.pos[0], y: n.pos[1] - title,
-        w: n.size[0], h: n.size[1] + title }));
-      const bad = [];
-      for (let i = 0; i < rects.length; i++) for (let j = i + 1; j < rects.length; j++) {
-        const a = rects[i], b = rects[j];
-        if (a.x < b.x + b.w && b.x < a.x + a.w && a.y < b.y + b.h && b.y < a.y + a.h) bad.push([a.id, b.id]);
-      }
-      out[name] = bad;
-    }
-    return out;
-  });
-  // workflows saved when Compile had twelve widgets (cuda_graphs first) and when it still had clear_cache (seven):
-  // the values land on today's widgets by name
-  step("old Compile widgets");
-  result.oldCompile = await page.evaluate(async () => {
-    const loadWith = async (values) => {
-      const data = await (await fetch("/api/workflow_templates/comfyui-fluxaccel/fluxaccel_quickstart_cpu.json")).json();
-      data.nodes.find((n) => n.type === "FluxAccelCompile").widgets_values = values;
-      await window.app.loadGraphData(data, true, false, "old-compile");
-      await new Promise((r) => setTimeout(r, 300));
-      const loaded = window.app.graph._nodes.find((n) => n.type === "FluxAccelCompile");
-      return Object.fromEntries(loaded.widgets.map((w) => [w.name, w.value]));
-    };
-    const migratedBefore = window.__fluxaccel.migrated || 0;
-    const twelve = await loadWith([true, "tuned-kernels", "recompile", 3, true, true, "fp8", true, "fluxaccel",
-                                   "auto", true, "auto"]);
-    const seven = await loadWith([true, "default", "recompile", 2, true, true, true]);
-    return { twelve, seven, migrated: (window.__fluxaccel.migrated || 0) - migratedBefore };
-  });
-  // back to the CPU quickstart, as shipped, for the run (today's widgets: not migrated)
+  // 3. the CPU quickstart as the template browser loaded it, for the run (today's widgets: not migrated)
   result.shippedCompile = await page.evaluate(async () => {
     const data = await (await fetch("/api/workflow_templates/comfyui-fluxaccel/fluxaccel_quickstart_cpu.json")).json();
-    const migratedBefore = window.__fluxaccel.migrated || 0;
-    await window.app.loadGraphData(data, true, false, "fluxaccel_quickstart_cpu");
-    await new Promise((r) => setTimeout(r, 300));
     const loaded = window.app.graph._nodes.find((n) => n.type === "FluxAccelCompile");
     return { widgets: Object.fromEntries(loaded.widgets.map((w) => [w.name, w.value])),
              saved: data.nodes.find((n) => n.type === "FluxAccelCompile").widgets_values,
-             migrated: (window.__fluxaccel.migrated || 0) - migratedBefore };
+             migrated: window.__fluxaccel.migrated || 0 };
   });
   await page.waitForTimeout(800);
   result.loadedTypes = await page.evaluate(() => window.app.graph._nodes.map((n) => n.type).sort());
@@ -189,6 +147,11 @@ try {
     window.app.graph.setDirtyCanvas(true, true);
   });
   await page.waitForTimeout(800);
+  // the workflow tabs open in the screenshot: the shipped template's alone
+  result.openTabs = await page.evaluate(() => {
+    const open = window.app.extensionManager?.workflow?.openWorkflows;
+    return Array.isArray(open) ? open.map((w) => w.filename ?? w.path ?? String(w)) : null;
+  });
   await page.screenshot({ path: `${out}/editor-after-run.png` });
 
   // 5. a resolution the compiled model was not compiled for, with resolution_policy set to strict (a fleet's
@@ -206,6 +169,46 @@ try {
   await page.waitForTimeout(800);
   result.toastDom = await page.locator(".p-toast-message").allInnerTexts();
   await page.screenshot({ path: `${out}/editor-toast.png` });
+  // 6. every template as loaded (the frontend may enlarge a node it finds too small): no two nodes overlap; after
+  // the run, so that its screenshot shows the shipped template alone
+  step("template layouts");
+  result.overlaps = await page.evaluate(async () => {
+    const names = await (await fetch("/workflow_templates")).json();
+    const out = {};
+    for (const name of names["comfyui-fluxaccel"] || []) {
+      const data = await (await fetch(`/api/workflow_templates/comfyui-fluxaccel/${name}.json`)).json();
+      await window.app.loadGraphData(data, true, false, name);
+      await new Promise((r) => setTimeout(r, 300));
+      const title = window.LiteGraph.NODE_TITLE_HEIGHT || 30;
+      const rects = window.app.graph._nodes.map((n) => ({ id: n.id, x: n.pos[0], y: n.pos[1] - title,
+        w: n.size[0], h: n.size[1] + title }));
+      const bad = [];
+      for (let i = 0; i < rects.length; i++) for (let j = i + 1; j < rects.length; j++) {
+        const a = rects[i], b = rects[j];
+        if (a.x < b.x + b.w && b.x < a.x + a.w && a.y < b.y + b.h && b.y < a.y + a.h) bad.push([a.id, b.id]);
+      }
+      out[name] = bad;
+    }
+    return out;
+  });
+  // workflows saved when Compile had twelve widgets (cuda_graphs first) and when it still had clear_cache (seven):
+  // the values land on today's widgets by name
+  step("old Compile widgets");
+  result.oldCompile = await page.evaluate(async () => {
+    const loadWith = async (values) => {
+      const data = await (await fetch("/api/workflow_templates/comfyui-fluxaccel/fluxaccel_quickstart_cpu.json")).json();
+      data.nodes.find((n) => n.type === "FluxAccelCompile").widgets_values = values;
+      await window.app.loadGraphData(data, true, false, "old-compile");
+      await new Promise((r) => setTimeout(r, 300));
+      const loaded = window.app.graph._nodes.find((n) => n.type === "FluxAccelCompile");
+      return Object.fromEntries(loaded.widgets.map((w) => [w.name, w.value]));
+    };
+    const migratedBefore = window.__fluxaccel.migrated || 0;
+    const twelve = await loadWith([true, "tuned-kernels", "recompile", 3, true, true, "fp8", true, "fluxaccel",
+                                   "auto", true, "auto"]);
+    const seven = await loadWith([true, "default", "recompile", 2, true, true, true]);
+    return { twelve, seven, migrated: (window.__fluxaccel.migrated || 0) - migratedBefore };
+  });
 } catch (e) {
   result.error = String(e?.stack || e);
 } finally {

@@ -1,5 +1,4 @@
 """A real ComfyUI server on 127.0.0.1 with the plugin, and a random-weight FLUX file for its UNETLoader."""
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,8 @@ def e2e_model_file():
 
 
 @pytest.fixture(scope="session")
-def server(e2e_model_file):
-    work = Path(tempfile.mkdtemp(prefix="fluxaccel-e2e-"))
+def server(e2e_model_file, tmp_path_factory):
+    work = tmp_path_factory.mktemp("e2e")
     # CPU ComfyUI in bf16, FP8 via torchao's real Float8Tensor path on the CPU (tools/cpu_fp8.py: a test-only
     # custom node lifts torchao's gate in this server)
     # a new shape compiles in its first call in this server ($FLUXACCEL_SEPARATE_COMPILE=0): the tests check what a

@@ -19,7 +19,8 @@ from .conftest import MODELS_DIR
 
 pytestmark = pytest.mark.e2e
 OURS = {"FluxAccelQuantizeFP8", "FluxAccelCompile", "FluxAccelWarmup", "FluxAccelBenchmark",
-        "FluxAccelSyntheticConditioning"}
+        "FluxAccelSyntheticConditioning", "FluxAccelParallel"}
+SOCKETS = {"MODEL", "CONDITIONING", "LATENT", "IMAGE"}
 
 
 def _readme_install_commands() -> list[str]:
@@ -29,9 +30,12 @@ def _readme_install_commands() -> list[str]:
 
 
 def test_clean_clone_into_a_fresh_comfyui_starts(tmp_path):
+    """A ComfyUI of its own, made from the test host's tree without anything a run put there (its models, the
+    plugin's link, outputs, the user folder): whatever the test host holds, e.g. after the README's CPU quickstart."""
     comfy = tmp_path / "ComfyUI"
     shutil.copytree(COMFY_DIR, comfy, symlinks=True,
-                    ignore=shutil.ignore_patterns("__pycache__", "comfyui-fluxaccel", "output", "temp", "user"))
+                    ignore=shutil.ignore_patterns("__pycache__", "comfyui-fluxaccel", "output", "temp", "user",
+                                                  "*.safetensors", "*.db"))
     assert not (comfy / "custom_nodes" / "comfyui-fluxaccel").exists()
     commands = _readme_install_commands()
     assert commands[0] == "cd ComfyUI/custom_nodes" and commands[1].startswith("git clone ")
@@ -98,3 +102,15 @@ def test_registry_metadata_and_self_describing_nodes(server):
             for inp, spec in node["input"].get(group, {}).items():
                 opts = spec[1] if len(spec) > 1 else {}
                 assert opts.get("tooltip"), f"{name}.{inp} has no tooltip"
+        assert node["output_tooltips"] and all(node["output_tooltips"]), f"{name}: an output has no tooltip"
+    # as plain as ComfyUI's own nodes: the Benchmark shows at most 4 widgets, the rest are advanced
+    bench = info["FluxAccelBenchmark"]["input"]["required"]
+    shown = [k for k, spec in bench.items() if spec[0] not in SOCKETS and not (spec[1] if len(spec) > 1 else {}).get("advanced")]
+    assert len(shown) <= 4, shown
+    # one default for the synthetic text length, so a Warmup at its defaults covers a Benchmark at its defaults
+    lengths = {n: info[n]["input"]["required"]["text_length"][1]["default"]
+               for n in ("FluxAccelWarmup", "FluxAccelBenchmark", "FluxAccelSyntheticConditioning")}
+    assert len(set(lengths.values())) == 1, lengths
+    warm = info["FluxAccelWarmup"]["input"]["required"]
+    assert warm["resolutions"][1]["default"] == f"{bench['width'][1]['default']}x{bench['height'][1]['default']}"
+    assert warm["cfg"][1]["default"] == bench["cfg"][1]["default"] and warm["batch_size"][1]["default"] == 1

@@ -52,6 +52,7 @@ OUR_NODES = {
     "FluxAccelWarmup": {"resolutions": "64x64", "batch_size": 1, "text_length": 16, "cfg": 1.0, "steps": 1},
     "FluxAccelBenchmark": {"text_length": 16, "width": 64, "height": 64, "steps": 1, "runs": 1, "seed": 0, "cfg": 1.0,
                            "sampler_name": "euler", "scheduler": "simple", "label": ""},
+    "FluxAccelSyntheticConditioning": {"text_length": 16, "guidance": 3.5, "seed": 0},
 }
 
 
@@ -61,13 +62,22 @@ def test_non_flux_model_into_each_node(server, sd3_file, node):
         "1": {"class_type": "UNETLoader", "inputs": {"unet_name": SD3_UNET, "weight_dtype": "default"}},
         "2": {"class_type": node, "inputs": {"model": ["1", 0], **OUR_NODES[node]}},
     }
-    if node != "FluxAccelBenchmark":  # give the node an output to compute
+    if node == "FluxAccelSyntheticConditioning":  # give the node an output to compute
+        prompt["4"] = {"class_type": "PreviewAny", "inputs": {"source": ["2", 0]}}
+    elif node != "FluxAccelBenchmark":
         prompt["3"] = {"class_type": "ModelSamplingSD3", "inputs": {"model": ["2", 0], "shift": 3.0}}
         prompt["4"] = {"class_type": "PreviewAny", "inputs": {"source": ["3", 0]}}
     with pytest.raises(PromptFailed) as exc:
         server.run(prompt)
     msg = str(exc.value)
-    assert "accelerates FLUX.1 (dev, schnell, Fill, Kontext and fine-tunes), FLUX.2" in msg and "received a SD3 model" in msg, msg
+    # each node says what it does: the conditioning node accelerates nothing
+    does = {"FluxAccelSyntheticConditioning": "makes conditioning for", "FluxAccelBenchmark": "measures"}.get(
+        node, "accelerates")
+    assert f"{does} FLUX.1 (dev, schnell, Fill, Kontext and fine-tunes), FLUX.2" in msg, msg
+    assert "its model input received a SD3 model" in msg, msg
+    # ComfyUI's exception_type: a short, stable name, not the plugin's folder path
+    err = next(m[1] for m in exc.value.messages if m[0] == "execution_error")
+    assert err["exception_type"] == "fluxaccel.FluxAccelError", err["exception_type"]
     assert "bypass this node" in msg
     _check_server_still_works(server)
 

@@ -2,7 +2,6 @@
 schnell-like one (none) at 80x80. Both give the eager result, and running one never recompiles the other:
 dynamo's own recompile log (TORCH_LOGS=recompiles, in the server log) stays silent once both are compiled."""
 import re
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,11 +19,11 @@ SCHNELL_UNET = "fluxaccel-random-e2e-schnell.safetensors"
 
 
 @pytest.fixture(scope="module")
-def logged_server(e2e_model_file):
+def logged_server(e2e_model_file, tmp_path_factory):
     from support.models import write_flux_file
 
     write_flux_file(MODELS_DIR / "diffusion_models" / SCHNELL_UNET, "e2e-schnell")
-    work = Path(tempfile.mkdtemp(prefix="fluxaccel-2shapes-"))
+    work = tmp_path_factory.mktemp("2shapes")
     srv = ComfyServer(COMFY_DIR, work, MODELS_DIR, CPU_SERVER_ARGS, env={"TORCH_LOGS": "recompiles", **IN_PROMPT}).start()
     yield srv
     srv.stop()

@@ -5,7 +5,6 @@ what to install, and the server keeps working.
 What is lifted, and how: a sitecustomize.py on the server's PYTHONPATH runs at interpreter start-up, before ComfyUI.
 It either blocks `import torchao` (a meta-path finder) or sets `torch.__version__` to an old version string; nothing
 else in torch changes, so ComfyUI itself runs normally and FluxAccel's real checks read what a user's install shows."""
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,10 +33,9 @@ torch.__version__ = "2.5.1+cu124"  # what an old ComfyUI install reports (set by
 """
 
 
-def _server_with_startup_hook(prefix: str, hook: str) -> ComfyServer:
+def _server_with_startup_hook(work: Path, hook: str) -> ComfyServer:
     import os
 
-    work = Path(tempfile.mkdtemp(prefix=prefix))
     site = work / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(hook)  # imported by Python at start-up, before ComfyUI
@@ -46,15 +44,15 @@ def _server_with_startup_hook(prefix: str, hook: str) -> ComfyServer:
 
 
 @pytest.fixture(scope="module")
-def server_without_torchao(e2e_model_file):
-    srv = _server_with_startup_hook("fluxaccel-notorchao-", BLOCKER)
+def server_without_torchao(e2e_model_file, tmp_path_factory):
+    srv = _server_with_startup_hook(tmp_path_factory.mktemp("notorchao"), BLOCKER)
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
-def server_with_old_torch(e2e_model_file):
-    srv = _server_with_startup_hook("fluxaccel-oldtorch-", OLD_TORCH)
+def server_with_old_torch(e2e_model_file, tmp_path_factory):
+    srv = _server_with_startup_hook(tmp_path_factory.mktemp("oldtorch"), OLD_TORCH)
     yield srv
     srv.stop()
 

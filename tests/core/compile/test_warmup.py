@@ -80,7 +80,7 @@ def test_a_sibling_branch_of_the_compile_output_keeps_its_strict_policy(tiny_flu
 def test_parse_resolutions_with_reference_images():
     assert parse_resolutions("1024x1024+1024x1024, 832x1216") == [(1024, 1024, ((1024, 1024),)), (832, 1216)]
     assert parse_resolutions("512x512+256x256+128x256") == [(512, 512, ((256, 256), (128, 256)))]
-    with pytest.raises(FluxAccelError, match="reference size 100x100 is not a FLUX size"):
+    with pytest.raises(FluxAccelError, match="reference size 100x100 in resolutions is not a FLUX size"):
         parse_resolutions("128x128+100x100")
 
 
@@ -131,7 +131,7 @@ def test_a_size_past_comfyuis_largest_or_past_free_memory_is_refused_naming_warm
                                              rf"ComfyUI's largest image side \({comfy_internals.max_resolution()}\)"):
         parse_resolutions("1024x1024, 99984x99984")
     pos = synthetic_conditioning_for(tiny_flux.model.diffusion_model, 16)
-    with pytest.raises(FluxAccelError, match=r"Warmup \(FluxAccel\): resolution 16384x16384 in resolutions \(batch 1\) "
+    with pytest.raises(FluxAccelError, match=r"Warmup \(FluxAccel\): resolution 16384x16384 in resolutions \(batch_size 1\) "
                                              r"needs about [\d.]+ GiB on cpu, which has [\d.]+ GiB free"):
         list(_shapes(tiny_flux, WarmupPlan(parse_resolutions("16384x16384")), pos, pos))
     assert len(list(_shapes(tiny_flux, WarmupPlan(parse_resolutions("64x64")), pos, pos))) == 1

@@ -175,9 +175,14 @@ def test_the_workers_start_shows_its_progress_and_a_failing_display_stops_nothin
     shown = []
     p.on_progress = lambda text, seconds: shown.append(text)
     denoise_once(model)
-    assert shown[:2] == ["starting 2 workers (cpu, cpu)", "2 workers started"]
+    assert shown[:2] == ["starting 2 CPU workers (no CUDA device: gpus counts processes on this machine's CPU)",
+                         "2 workers started"]
     assert shown[2].startswith("sending the workers the model (")
     assert shown[-1].startswith("2 workers ready in")
+    # without CUDA devices, every place that shows the workers says they are CPU workers
+    from fluxaccel.core import patches
+    assert patches.label(model) == "fp32+parallel-2cpu-workers"
+    assert "split over 2 CPU workers (no CUDA device" in p.describe()
     p.workers.stop()
     p.on_progress = lambda text, seconds: (_ for _ in ()).throw(RuntimeError("no editor"))
     assert rel_err(denoise_once(model), denoise_once(base)) < TOL

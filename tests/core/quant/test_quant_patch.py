@@ -272,21 +272,22 @@ def test_merges_a_lora_from_the_stored_weights_while_another_lora_is_loaded(cpu_
     assert torch.equal(forward(q, inputs), expected)
 
 
-@pytest.mark.parametrize("free_gib, expect", [(40, "cuda:0"), (12, "cpu")])
-def test_fp8_copies_wait_on_the_gpu_only_with_room_beside_comfyuis_reserve(monkeypatch, free_gib, expect):
-    """The FP8 copies of a 16 GiB selection stay on the load device when ComfyUI's free-memory figure minus its
-    inference reserve holds them (no host copy), else wait in host RAM; the report says which."""
-    from types import SimpleNamespace
-
+@pytest.mark.parametrize("share", [0.25, 4.0])
+def test_fp8_copies_wait_on_the_load_device_only_with_room_beside_comfyuis_reserve(share):
+    """The FP8 copies stay on the load device when ComfyUI's free-memory figure for it, minus ComfyUI's inference
+    reserve, holds them (no host copy), else wait on the offload device; the report says which. A real ModelPatcher
+    whose load device is this machine's CPU (ComfyUI reads its free memory from the machine) and whose offload
+    device is another; the copies' size is chosen from those figures: a quarter of the room, or four times it."""
     import comfy.model_management as mm
+    import comfy.model_patcher
     from fluxaccel.core.quant.build import fp8_home
     from fluxaccel.core.quant.report import Fp8Report
 
-    free = free_gib * 1024**3
-    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (free, free) if torch_free_too
-                        else free)
-    monkeypatch.setattr(mm, "minimum_inference_memory", lambda: 2 * 1024**3)
-    report = Fp8Report("per_row", "blocks", "cuda:0")
-    home = fp8_home(SimpleNamespace(offload_device=torch.device("cpu")), torch.device("cuda:0"), 16 * 1024**3, report)
-    assert str(home) == expect
-    assert ("on cuda:0 until ComfyUI loads" if expect == "cuda:0" else "in host RAM") in report.summary()
+    cpu, elsewhere = torch.device("cpu"), torch.device("meta")
+    patcher = comfy.model_patcher.ModelPatcher(torch.nn.Linear(4, 4), load_device=cpu, offload_device=elsewhere)
+    room = mm.get_free_memory(cpu) - mm.minimum_inference_memory()
+    assert room > 0, room
+    report = Fp8Report("per_row", "blocks", "cpu")
+    home = fp8_home(patcher, patcher.load_device, int(room * share), report)
+    assert home == (cpu if share < 1 else elsewhere)
+    assert ("on cpu until ComfyUI loads" if share < 1 else "in host RAM") in report.summary()

@@ -207,7 +207,10 @@ def test_source_file_missing(tiny_file_model):
     from pathlib import Path
 
     assert isinstance(comfy_internals.source_file(tiny_file_model), Path)  # UNETLoader's loader registers it
-    bare = SimpleNamespace(patches={})
+    import comfy.model_patcher
+
+    cpu = torch.device("cpu")
+    bare = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), load_device=cpu, offload_device=cpu)  # no loader
     missing = comfy_internals.source_file(bare)
     assert isinstance(missing, Unavailable) and "cached_patcher_init" in str(missing)
     assert comfy_internals.load_options(bare) == {}
@@ -230,7 +233,7 @@ def test_checkpoint_qdata_missing():
 
     got = comfy_internals.checkpoint_qdata(torch.zeros(2, 2))
     assert isinstance(got, Unavailable) and "_qdata" in str(got)
-    assert checkpoint_format(SimpleNamespace(weight=torch.zeros(2, 2))) == "quantized"
+    assert checkpoint_format(torch.nn.Linear(2, 2)) == "quantized"
 
 
 def test_rms_norm_weight_or_missing(tiny_flux):
