@@ -46,7 +46,10 @@ def test_headless_benchmark_on_the_cpu_runs_the_compile_quickstart_and_keeps_its
     stem = next(n[: -len(".log")] for n in kept if n.endswith(".log"))
     assert {f"{stem}.json", f"{stem}.log", f"{stem}-node5.md", f"{stem}-node5.png"} <= set(kept), kept
     assert json.loads((tmp_path / f"{stem}.json").read_text()) == res
-    assert "Prompt executed" in (tmp_path / f"{stem}.log").read_text()
+    log = (tmp_path / f"{stem}.log").read_text()
+    assert "Prompt executed" in log
+    # a first run says nothing alarming: no error line (ComfyUI's database among them)
+    assert not [line for line in log.splitlines() if "[ERROR]" in line or "Failed to initialize" in line], log[-3000:]
 
 
 def test_headless_fp8_suite_on_the_cpu(tmp_path, e2e_model_file):
