@@ -402,3 +402,24 @@ def test_kept_fp8_linears_and_compiled_models_go_with_their_loaded_model(cpu_fp8
     del base, model
     gc.collect()
     assert gone() is None
+
+
+def test_a_new_shape_that_does_not_fit_free_memory_is_refused_before_anything_compiles(tiny_flux, counters):
+    """A model call at latent 512x512 (65,536 image tokens): on the CPU its attention alone needs more than this
+    machine's free memory, by ComfyUI's own figure. It is refused naming the Compile node and the shape, before any
+    compile or capture; the model stays as it was and its compiled shape still runs."""
+    import comfy.model_management as mm
+
+    from fluxaccel.core.budget import call_bytes
+
+    clone, compiled = apply_compile(tiny_flux, CompileConfig(persistent_cache=False, separate_process=False))
+    _denoise_once(clone, hw=8)
+    need = call_bytes(tiny_flux.model.diffusion_model, 256 * 256 + 16, 1, 4, torch.device("cpu"))
+    assert need > mm.get_free_memory(torch.device("cpu")), "the shape must not fit this machine"
+    graphs = compiled_graphs()
+    with pytest.raises(FluxAccelError, match=r"Compile \+ CUDA Graph \(FluxAccel\): a model call at batch 1, latent "
+                                             r"512x512 \(4096x4096 px\).* needs about [\d.]+ GiB on cpu, which has"):
+        _denoise_once(clone, hw=512)
+    assert compiled_graphs() == graphs and [k.height for k in compiled.stats.shapes] == [8]
+    _denoise_once(clone, hw=8)
+    assert compiled.stats.eager_calls == 0
