@@ -210,7 +210,9 @@ def test_source_file_missing(tiny_file_model):
     import comfy.model_patcher
 
     cpu = torch.device("cpu")
-    bare = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), load_device=cpu, offload_device=cpu)  # no loader
+    bare = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), load_device=cpu, offload_device=cpu)
+    bare.__dict__.pop("cached_patcher_init", None)  # the name missing, as before ComfyUI had it
+    assert not hasattr(bare, "cached_patcher_init")
     missing = comfy_internals.source_file(bare)
     assert isinstance(missing, Unavailable) and "cached_patcher_init" in str(missing)
     assert comfy_internals.load_options(bare) == {}
