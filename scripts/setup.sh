@@ -16,7 +16,7 @@ if [ -n "${FLUXACCEL_PYTHON:-}" ]; then
   PY="$FLUXACCEL_PYTHON"
 else
   if [ ! -x .venv/bin/python ]; then say "creating .venv"; python3 -m venv .venv; fi
-  if ! .venv/bin/python -c "import torch, torchvision, torchao, pytest, xdist, safetensors, tqdm, matplotlib, markdown_it" 2>/dev/null; then
+  if ! .venv/bin/python -c "import torch, torchvision, torchao, pytest, xdist, pytest_randomly, safetensors, tqdm, matplotlib, markdown_it" 2>/dev/null; then
     say "installing torch, torchao and the test tools into .venv (requirements-dev.txt; several minutes on a fresh machine)"
     .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
   fi
