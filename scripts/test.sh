@@ -12,5 +12,7 @@ bash scripts/setup-browser.sh
 PY=$(bash scripts/setup.sh)
 # one compute thread per worker: two workers of two threads each on two cores spin against each other
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# and inductor compiles in the process that asks (no pool of compile processes started in every server and worker)
+export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 echo "[test] $PY -m pytest -n $WORKERS $*" >&2
 exec "$PY" -m pytest -n "$WORKERS" --dist load -v --durations=25 "$@"

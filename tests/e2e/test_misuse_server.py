@@ -156,8 +156,9 @@ def test_web_folder_is_the_only_http_surface_and_it_stays_inside(server):
 
 def test_many_prompts_host_memory_stays_flat(server, e2e_3072_model_file):
     """10 consecutive FP8 prompts, a new seed each (so each one samples) and Quantize FP8 rebuilt every prompt (its
-    scope alternates, so ComfyUI replaces the previous FP8 clone; per-row, the granularity a CPU runs at its speed): after the first three, resident memory grows
-    by less than 5 % of it per prompt (least-squares slope) and by less than 30 % in all. One FP8 clone kept per
+    scope alternates, so ComfyUI replaces the previous FP8 clone; per-row, which a CPU runs at its speed): after the
+    first three, resident memory grows by less than 5 % of it per prompt (least-squares slope) and by less than 30 %
+    in all. One FP8 clone kept per
     prompt would add ~0.3 GiB (~9 %) each time, 60 % over the seven prompts; the allocator's own growth while it
     settles (a CPU server keeps freed memory in its heap: tools/comfy_server.py's CPU_MALLOC) reached 3.1 %/prompt and
     18 % in all, then fell back (a two-core CI machine, two workers).
