@@ -106,7 +106,7 @@ def test_no_bound_where_comfyui_patches_the_norm_per_call(tiny_flux):
         block.norm.query_norm.weight_function = []
 
 
-def test_compiled_blocks_hand_each_block_its_bound(tiny_flux, fa3, monkeypatch):
+def test_compiled_blocks_hand_each_block_its_bound(tiny_flux, fa3, monkeypatch, fresh_dynamo):
     """Inside FluxAccel's compiled blocks every attention call runs the FP8 kernel with Q/K scales from its block's
     QK-norm weights; the output stays within FP8 rounding of the cuDNN-first graph."""
     monkeypatch.setattr(fa, "why_not", lambda device: None)  # the CPU stand-in runs where the kernel cannot
