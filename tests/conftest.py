@@ -35,22 +35,6 @@ def _private_compile_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _private_inductor_cache(tmp_path_factory):
-    """Inductor's own cache (FX graphs, kernels) in this run's temporary folder, shared by its pytest-xdist workers
-    and the servers they start, not in the machine's /tmp/torchinductor_<user>: every run starts from nothing, as CI
-    does, and leaves nothing behind."""
-    import os
-
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # the run's folder, above each worker's own
-        path = tmp_path_factory.getbasetemp().parent / "inductor"
-        path.mkdir(exist_ok=True)
-    else:
-        path = tmp_path_factory.mktemp("inductor")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
-    yield
-
-
-@pytest.fixture(autouse=True, scope="session")
 def _private_comfy_folders(tmp_path_factory):
     """ComfyUI's output, input, temp and user folders of this process in this test session's temporary folder (as
     the servers' are in theirs), not in the ComfyUI tree."""
