@@ -52,7 +52,9 @@ def test_fp8_weight_dtype_is_refused_and_server_keeps_working(server):
 
 def test_plain_and_fp8_prompts_alternating_six_times(server):
     """One loaded model, prompts alternating between a plain branch and an FP8 branch: each result equals its
-    branch's reference every time (ComfyUI swaps the FP8 modules in and the originals back on each switch)."""
+    branch's reference every time (ComfyUI swaps the FP8 modules in and the originals back on each switch). ComfyUI's
+    caches are dropped first: another test's last prompt may have held the same plain branch."""
+    server.free()
     refs = {}
     for i in range(6):
         fp8 = i % 2 == 1

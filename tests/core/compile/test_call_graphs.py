@@ -234,6 +234,7 @@ def test_calls_are_captured_on_a_gpu_with_a_cpp_compiler_and_otherwise_said(monk
     assert patch.capture_unavailable(torch.device("cpu")) == "this model runs on the CPU; CUDA graphs need a CUDA GPU"
 
 
+@pytest.mark.fresh_compile  # counts what dynamo traces: no warm-start package another test saved
 def test_through_apply_compile_and_warmup(tiny_flux, fresh_dynamo):
     """As the Compile node sets it up, on ComfyUI's real objects (CPU: blocks compiled on their own, no capture): the
     denoiser as eager's, Warmup compiles both block kinds before the first prompt and the prompts after compile
