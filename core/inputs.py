@@ -38,9 +38,12 @@ def shown(value, limit: int = 60) -> str:
 
 
 def conditioning(value, node: str, name: str):
-    """A CONDITIONING input as ComfyUI's sampler takes it ([[tensor, dict], ...]), or an error naming the input."""
+    """A CONDITIONING input as ComfyUI's sampler takes it ([[tensor, dict], ...]) or None (not connected), else an
+    error naming the input."""
     import torch
 
+    if value is None:
+        return None
     if not (isinstance(value, list) and value and all(
             isinstance(c, (list, tuple)) and len(c) == 2 and torch.is_tensor(c[0]) and isinstance(c[1], dict)
             for c in value)):

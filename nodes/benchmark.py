@@ -97,9 +97,8 @@ class Benchmark(io.ComfyNode):
         dm = require_flux(model, NODE, "measures")
         if baseline is not None:
             require_flux(baseline, NODE, "measures", "baseline")
-        for name, value in (("positive", positive), ("negative", negative)):
-            if value is not None:
-                conditioning(value, NODE, name)
+        conditioning(positive, NODE, "positive")
+        conditioning(negative, NODE, "negative")
         base = baseline if baseline is not None else patches.strip(model)
         negative = negative or (zeroed(positive) if positive else None)
         positive = positive or synthetic_conditioning_for(dm, text_length, seed=seed)

@@ -8,6 +8,7 @@ from typing import Literal, Sequence
 
 import torch
 
+from ..budget import call_tokens
 from ..errors import FluxAccelError
 
 log = logging.getLogger("fluxaccel.compile")
@@ -31,7 +32,8 @@ class ShapeKey:
 
     def tokens(self) -> int:
         """The tokens of one model call of this shape: the image's 2x2 latent patches, its references', the text."""
-        return (self.height // 2) * (self.width // 2) + sum((h // 2) * (w // 2) for h, w in self.refs) + self.text_len
+        s = self.scale
+        return call_tokens(self.width * s, self.height * s, self.text_len, s, [(w * s, h * s) for h, w in self.refs])
 
     def describe(self) -> str:
         s = self.scale

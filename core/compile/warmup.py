@@ -137,9 +137,8 @@ def warmup(model, plan: WarmupPlan, positive=None, negative=None, on_step: Calla
     keeps its own shapes and policy, also when warming up fails. on_step() after every sampling step;
     on_compile(text, seconds): every second while a shape compiles (progress.py)."""
     dm = require_flux(model, NODE)
-    for name, value in (("positive", positive), ("negative", negative)):
-        if value is not None:
-            conditioning(value, NODE, name)
+    conditioning(positive, NODE, "positive")
+    conditioning(negative, NODE, "negative")
     if positive is None:
         positive = synthetic_conditioning_for(dm, plan.text_length)
     if negative is None:
