@@ -18,7 +18,7 @@ else
   if [ ! -x .venv/bin/python ]; then say "creating .venv"; python3 -m venv .venv; fi
   if ! .venv/bin/python -c "import torch, torchvision, torchao, pytest, xdist, pytest_randomly, safetensors, tqdm, matplotlib, markdown_it" 2>/dev/null; then
     say "installing torch, torchao and the test tools into .venv (requirements-dev.txt; several minutes on a fresh machine)"
-    .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -r requirements-dev.txt
   fi
   HV=.cache/venv-0.33.0
   if [ ! -x "$HV/bin/python" ]; then
@@ -33,7 +33,7 @@ say "preparing ComfyUI (tools/host.py)"
 "$PY" tools/host.py >/dev/null
 if [ -z "${FLUXACCEL_PYTHON:-}" ] && [ ! -x .cache/comfy-cli/bin/comfy ]; then
   say "comfy-cli (the registry's own checks, tests/test_registry.py) into .cache/comfy-cli"
-  python3 -m venv .cache/comfy-cli && .cache/comfy-cli/bin/python -m pip install -q --disable-pip-version-check "comfy-cli==1.23.0" >&2
+  python3 -m venv .cache/comfy-cli && .cache/comfy-cli/bin/python -m pip install -q --disable-pip-version-check --no-compile "comfy-cli==1.23.0" >&2
 fi
 if [ -z "${FLUXACCEL_PYTHON:-}" ] && [ -f ../shared/hosts/comfyui-0.38.1-files/comfy/model_prefetch.py ]; then
   say "comfy-aimdo 0.5.5 for the ComfyUI 0.38.1 model-compiler test (tools/comfy038.py)"

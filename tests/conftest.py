@@ -26,12 +26,14 @@ COMFY_VERSION = host.comfy_version(COMFY_DIR)  # the host under test
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _private_compile_cache(tmp_path_factory):
-    """FluxAccel's persistent compile cache goes to a folder of this test session only."""
+def session_compile_cache(tmp_path_factory):
+    """FluxAccel's persistent compile cache goes to a folder of this test session only (this process's and its
+    session servers')."""
     import os
 
-    os.environ["FLUXACCEL_CACHE_DIR"] = str(tmp_path_factory.mktemp("compile-cache"))
-    yield
+    folder = tmp_path_factory.mktemp("compile-cache")
+    os.environ["FLUXACCEL_CACHE_DIR"] = str(folder)
+    yield folder
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -30,8 +30,8 @@ def available() -> str:
 
 def ensure_aimdo() -> Path:
     if not (AIMDO_DIR / "comfy_aimdo" / "malloc_graph.py").is_file():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
-                        "--target", str(AIMDO_DIR), AIMDO_PIN], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile",
+                        "--no-deps", "--target", str(AIMDO_DIR), AIMDO_PIN], check=True)
     return AIMDO_DIR
 
 

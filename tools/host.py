@@ -36,6 +36,8 @@ ARCHIVE_ENV = "FLUXACCEL_COMFYUI_ARCHIVE"
 SHARED_ARCHIVE = ROOT.parent / "shared" / "hosts" / f"comfyui-{VERSION}.tar.gz"
 RELEASE_URL = f"https://github.com/Comfy-Org/ComfyUI/archive/refs/tags/v{VERSION}.tar.gz"
 PLUGIN_LINK_NAME = "comfyui-fluxaccel"
+# bytecode is written on first import, for the modules a run imports (not ahead for every file of every package)
+PIP_INSTALL = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]
 # The torch family is pinned by the project (CPU build in CI, the image's build on a GPU). torchaudio is published
 # only up to torch 2.11, but ComfyUI 0.33 imports it in comfy/sd.py: it is installed without its torch pin and
 # checked to import (_ensure_torchaudio).
@@ -151,8 +153,7 @@ def ensure_host() -> Path:
         log.warning("not installing (FLUXACCEL_HOST_NO_INSTALL set); missing: %s", " ".join(missing))
     elif missing:
         log.info("installing ComfyUI's requirements (a few minutes on a fresh machine): %s", " ".join(missing))
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", *missing],
-                       check=True)
+        subprocess.run([*PIP_INSTALL, *missing], check=True)
     else:
         log.info("ComfyUI requirements satisfied")
     _ensure_torchaudio()
@@ -168,8 +169,7 @@ def _ensure_torchaudio() -> None:
         log.warning("torchaudio does not import here; ComfyUI 0.33 needs it (comfy/sd.py imports it)")
         return
     log.info("installing torchaudio without its torch pin (PyPI has no build for torch %s)", md.version("torch"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
-                    "torchaudio"], check=True)
+    subprocess.run([*PIP_INSTALL, "--no-deps", "torchaudio"], check=True)
     res = subprocess.run(probe, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"torchaudio does not import beside torch {md.version('torch')} ({res.stderr[-500:]}); "

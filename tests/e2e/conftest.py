@@ -21,13 +21,15 @@ def e2e_model_file():
 
 
 @pytest.fixture(scope="session")
-def server(e2e_model_file, tmp_path_factory):
+def server(e2e_model_file, tmp_path_factory, session_compile_cache):
     work = tmp_path_factory.mktemp("e2e")
     # CPU ComfyUI in bf16, FP8 via torchao's real Float8Tensor path on the CPU (tools/cpu_fp8.py: a test-only
     # custom node lifts torchao's gate in this server)
     # a new shape compiles in its first call in this server ($FLUXACCEL_SEPARATE_COMPILE=0): the tests check what a
     # compile does; the separate process has its own server (test_compile_server.py)
-    srv = ComfyServer(COMFY_DIR, work, MODELS_DIR, CPU_SERVER_ARGS, cpu_fp8=True, env=IN_PROMPT)
+    # the session's compile cache, named here: a test with a folder of its own may be the one that starts the server
+    srv = ComfyServer(COMFY_DIR, work, MODELS_DIR, CPU_SERVER_ARGS, cpu_fp8=True,
+                      env={**IN_PROMPT, "FLUXACCEL_CACHE_DIR": str(session_compile_cache)})
     srv.start()
     yield srv
     srv.stop()

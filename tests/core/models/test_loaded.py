@@ -27,7 +27,7 @@ def e2e_file():
     from conftest import ROOT
     from support.models import write_flux_file
 
-    return write_flux_file(ROOT / ".cache" / "models" / "diffusion_models" / "fluxaccel-random-e2e-3072.safetensors", "e2e-3072")
+    return write_flux_file(ROOT / ".cache" / "models" / "diffusion_models" / "fluxaccel-random-e2e.safetensors", "e2e")
 
 
 def test_plain_models_are_used_as_they_are(tiny_flux):
