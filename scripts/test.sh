@@ -14,5 +14,8 @@ PY=$(bash scripts/setup.sh)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # and inductor compiles in the process that asks (no pool of compile processes started in every server and worker)
 export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
+# and its CPU kernels in scalar C++ (no vector-ISA variants to generate and build): the compile path under test --
+# dynamo, AOT, FluxAccel's wrappers, packages and caches -- is the same; on a GPU inductor writes Triton kernels
+export TORCHINDUCTOR_VEC_ISA_OK=${TORCHINDUCTOR_VEC_ISA_OK:-0}
 echo "[test] $PY -m pytest -n $WORKERS $*" >&2
-exec "$PY" -m pytest -n "$WORKERS" --dist load -v --durations=25 "$@"
+exec "$PY" -m pytest -n "$WORKERS" --dist worksteal -v --durations=25 "$@"
