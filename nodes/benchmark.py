@@ -10,7 +10,7 @@ import torch
 from comfy_api.latest import io, ui
 
 from ..core import env
-from ..core.budget import require_call_room
+from ..core.budget import require_call_room, text_tokens
 from ..core.inputs import conditioning
 from ..core.bench import chart, results
 from ..core.bench.benchmark import (BenchCase, Hooks, LEGEND, NODE, benchmark, check_label, markdown_table,
@@ -106,7 +106,7 @@ class Benchmark(io.ComfyNode):
         case = BenchCase(width=width, height=height, steps=steps, runs=runs, seed=seed, cfg=cfg,
                          sampler=sampler_name, scheduler=scheduler)
         require_call_room(NODE, f"width and height {width}x{height}", model, width, height,
-                          2 if cfg > 1 else 1, positive[0][0].shape[1])
+                          2 if cfg > 1 else 1, text_tokens(model, positive[0][0]))
         base_label = patches.label(base)
         models = [(base_label if "compile" in base_label else "eager-" + base_label, base),
                   (label or patches.label(model), model)]

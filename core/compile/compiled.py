@@ -20,6 +20,7 @@ import torch
 
 from . import persistence
 from ..budget import call_bytes, require_room
+from ..models.flux import token_px
 from .blocks import BlockTable
 from .call_graphs import CallGraphs
 from .config import NODE, CompileConfig
@@ -152,7 +153,8 @@ class CompiledFlux(torch.nn.Module):
             return call.run(self._dm)
         if decision == "new":  # compile buffers and a CUDA graph pool of this size: only where the call fits
             require_room(NODE, f"a model call at {key.describe()}", call_bytes(
-                self._dm, key.tokens(), key.batch, call.x.element_size(), call.x.device), call.x.device)
+                self._dm, key.tokens(token_px(self._dm, self.scale)), key.batch, call.x.element_size(), call.x.device),
+                call.x.device)
             self.stats.shapes.append(key)
         if key in self.stats.compile_seconds:
             with self.telemetry.warm_call(call.x):

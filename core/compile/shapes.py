@@ -30,10 +30,12 @@ class ShapeKey:
     ref_method: str = ""
     scale: int = field(default=8, compare=False)
 
-    def tokens(self) -> int:
-        """The tokens of one model call of this shape: the image's 2x2 latent patches, its references', the text."""
+    def tokens(self, token_px: int) -> int:
+        """The tokens of one model call of this shape (`token_px`: the model's pixels per token side,
+        models.flux.token_px): the image's, its references', the text."""
         s = self.scale
-        return call_tokens(self.width * s, self.height * s, self.text_len, s, [(w * s, h * s) for h, w in self.refs])
+        return call_tokens(self.width * s, self.height * s, self.text_len, token_px,
+                           [(w * s, h * s) for h, w in self.refs])
 
     def describe(self) -> str:
         s = self.scale

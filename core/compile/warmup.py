@@ -12,7 +12,7 @@ from typing import Callable
 import comfy.sample
 import torch
 
-from ..budget import require_call_room
+from ..budget import require_call_room, text_tokens
 from ..errors import FluxAccelError
 from ..inputs import conditioning
 from ..upstream import comfy_internals
@@ -76,19 +76,6 @@ def _with_references(conditioning, refs: tuple, channels: int, scale: int):
     ReferenceLatent would attach; the values do not matter for compiling)."""
     latents = [torch.zeros(1, channels, h // scale, w // scale) for w, h in refs]
     return [[c, {**extra, "reference_latents": latents}] for c, extra in conditioning]
-
-
-def text_tokens(model, context: torch.Tensor) -> int:
-    """The text length the diffusion model is called with for this conditioning: ComfyUI's own extra_conds decide
-    (its FLUX.2 pads the text to 512 tokens)."""
-    latent = torch.zeros(1, model.model.latent_format.latent_channels, 8, 8)
-    try:
-        conds = model.model.extra_conds(cross_attn=context, noise=latent, device=torch.device("cpu"))
-        return int(conds["c_crossattn"].cond.shape[1])
-    except (KeyError, TypeError, AttributeError, RuntimeError) as e:  # a model whose conditioning we cannot replay
-        log.warning("FluxAccel warmup: cannot tell how ComfyUI passes this text to the model (%s: %s); warming up "
-                    "for %d text tokens as given", type(e).__name__, e, context.shape[1])
-        return int(context.shape[1])
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,12 @@ def latent_scale(model) -> int:
     return int(getattr(model.model.latent_format, "spacial_downscale_ratio", 8))
 
 
+def token_px(dm: torch.nn.Module, scale: int) -> int:
+    """Pixels per token side of a FLUX diffusion model: `scale` pixels per latent cell (latent_scale) times its patch
+    (2x2 cells in FLUX.1 and Chroma, one cell of FLUX.2's 16x latent): 16 in each."""
+    return scale * int(getattr(dm, "patch_size", 2))
+
+
 def require_fully_loaded(model, node: str) -> None:
     """A model that ComfyUI could only partially load (lowvram) streams weights per layer: refuse it."""
     if getattr(model.model, "model_lowvram", False):
