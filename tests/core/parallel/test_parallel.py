@@ -36,52 +36,23 @@ def parallel():
         p.workers.stop()
 
 
-@pytest.mark.parametrize("shape, sizes", [
-    (TINY, ((16, None, 16), (14, 18, 7), (10, 16, 16))),  # 64 image tokens (2x2 patches), 63, 40; text 16 and 7
-    (TINY_FLUX2, ((8, None, 16), (7, 9, 7)))])  # 64 image tokens (1x1 patches), 63; text 16 and 7
-def test_the_parallel_call_equals_the_single_process_call(parallel, shape, sizes):
+@pytest.mark.parametrize("shape, sizes, refs", [
+    (TINY, ((16, None, 16), (14, 18, 7), (10, 16, 16)), ((8, 12),)),  # 64 image tokens (2x2), 63, 40; text 16, 7
+    (TINY_FLUX2, ((8, None, 16), (7, 9, 7)), ((6, 5),))])  # 64 image tokens (1x1 patches), 63; text 16 and 7
+def test_the_parallel_call_equals_the_single_process_call(parallel, shape, sizes, refs):
     """Token counts that split evenly over the two workers and ones that do not: the same output as the model in
-    this process, to float32 rounding."""
+    this process, to float32 rounding. A reference image's latent (FLUX.1 Kontext, FLUX.2 editing) is split with the
+    image's tokens, with the same result."""
     base = build_flux(shape, dtype=torch.float32)
     model, p = parallel(base)
     for hw, w, text in sizes:
         ref = denoise_once(base, hw=hw, w=w, text_len=text)
         out = denoise_once(model, hw=hw, w=w, text_len=text)
         assert out.shape == ref.shape and rel_err(out, ref) < TOL, (hw, w, text, rel_err(out, ref))
-    assert p.stats["calls"] == len(sizes) and p.stats["worker_starts"] == 1
-
-
-def test_loras_apply_and_a_strength_change_sends_only_what_it_patched(parallel):
-    """LoraLoaderModelOnly's clones (ComfyUI's own LoRA loading) at two strengths, each through the Parallel node:
-    each equals its LoRA'd model in this process; the second reuses the first's workers and sends them only the
-    weights the LoRA patches."""
-    from support.models import lora_state_dict, with_lora
-
-    base = build_flux("tiny", dtype=torch.float32)
-    targets = ["double_blocks.0.img_attn.qkv", "single_blocks.1.linear2"]
-    sd = lora_state_dict(base, targets)
-    outs = []
-    for strength in (1.0, 0.5):
-        lora = with_lora(base, sd, strength)
-        model, p = parallel(lora)
-        ref = denoise_once(lora, hw=14, w=18)
-        out = denoise_once(model, hw=14, w=18)
-        assert rel_err(out, ref) < TOL
-        outs.append((out, p))
-    (first, p1), (second, p2) = outs
-    assert p2.workers is p1.workers and p1.workers.starts == 1 and rel_err(second, first) > 1e-3
-    assert p2.stats["weights_sent"] == len(targets)  # the two patched weights, nothing else
-
-
-@pytest.mark.parametrize("shape, refs", [(TINY, ((8, 12),)), (TINY_FLUX2, ((6, 5),))])
-def test_reference_latents_apply(parallel, shape, refs):
-    """A reference image's latent (FLUX.1 Kontext, FLUX.2 editing): its tokens are split with the image's, and the
-    output equals the single-process one."""
-    base = build_flux(shape, dtype=torch.float32)
-    model, _ = parallel(base)
     ref = denoise_once(base, hw=10, w=14, refs=refs)
-    out = denoise_once(model, hw=10, w=14, refs=refs)
-    assert rel_err(out, ref) < TOL and rel_err(ref, denoise_once(base, hw=10, w=14)) > 1e-3
+    assert rel_err(denoise_once(model, hw=10, w=14, refs=refs), ref) < TOL
+    assert rel_err(ref, denoise_once(base, hw=10, w=14)) > 1e-3  # the reference changes the output
+    assert p.stats["calls"] == len(sizes) + 1 and p.stats["worker_starts"] == 1
 
 
 def test_a_killed_worker_gives_a_clear_error_and_the_next_call_starts_them_again(parallel):
@@ -253,18 +224,29 @@ def test_clones_of_other_kinds_of_one_loaded_model_each_get_their_own_weights(pa
     assert p.workers.starts == 1 and p.workers.rebuilds == 3
 
 
-def test_strength_changes_under_inference_mode_reach_the_workers(parallel):
-    """ComfyUI runs nodes under inference_mode, where a tensor's version cannot be read, and frees each strength's
-    patched weights before it makes the next (the same sizes: the allocator may hand out the same block, and Python
-    the same id): every strength still reaches the workers, each call equal to its LoRA'd model here."""
+def test_loras_apply_and_each_strength_change_sends_only_what_it_patched(parallel):
+    """LoraLoaderModelOnly's clones (ComfyUI's own LoRA loading), a strength after another, each through the Parallel
+    node: each equals its LoRA'd model in this process; every clone reuses the first's workers and sends them only
+    the weights the LoRA patches. ComfyUI runs nodes under inference_mode, where a tensor's version cannot be read, and
+    frees each strength's patched weights before it makes the next (the same sizes: the allocator may hand out the
+    same block, and Python the same id): every strength still reaches the workers."""
     from support.models import lora_state_dict, with_lora
 
     base = build_flux("tiny", dtype=torch.float32)
-    sd = lora_state_dict(base, ["double_blocks.0.img_attn.qkv", "single_blocks.1.linear2"])
+    targets = ["double_blocks.0.img_attn.qkv", "single_blocks.1.linear2"]
+    sd = lora_state_dict(base, targets)
+    outs, first = [], None
     with torch.inference_mode():
         for strength in (1.0, 0.5, 0.25, 0.75, 1.0, 0.5):
             lora = with_lora(base, sd, strength)
             model, p = parallel(lora)
             ref = denoise_once(lora, hw=14, w=18)
-            assert rel_err(denoise_once(model, hw=14, w=18), ref) < TOL, strength
+            out = denoise_once(model, hw=14, w=18)
+            assert rel_err(out, ref) < TOL, strength
+            first = p if first is None else first
+            assert p.workers is first.workers and first.workers.starts == 1
+            if p is not first:
+                assert p.stats["weights_sent"] == len(targets), strength  # the two patched weights, nothing else
+            outs.append(out)
             del lora, model, ref
+    assert rel_err(outs[1], outs[0]) > 1e-3
