@@ -23,6 +23,8 @@ from tools import host  # noqa: E402
 
 COMFY_DIR = host.import_comfy(host.comfy_dir())
 COMFY_VERSION = host.comfy_version(COMFY_DIR)  # the host under test
+MODELS_DIR = ROOT / ".cache" / "models"
+E2E_UNET = "fluxaccel-random-e2e.safetensors"  # the e2e FLUX file (256 wide) that UNETLoader loads in the tests
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -56,6 +58,14 @@ def _fresh_warm_start(request, tmp_path, monkeypatch):
     their own: they check what a compile itself does (the trace, its phases, the files it writes)."""
     if request.node.get_closest_marker("fresh_compile") is not None:
         monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path / "compile-cache"))
+
+
+@pytest.fixture(scope="session")
+def e2e_model_file():
+    """The e2e FLUX file in the models folder the test servers read (written once, kept)."""
+    from support.models import write_flux_file
+
+    return write_flux_file(MODELS_DIR / "diffusion_models" / E2E_UNET, "e2e")
 
 
 @pytest.fixture

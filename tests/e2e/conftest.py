@@ -3,21 +3,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import COMFY_DIR, ROOT
+from conftest import COMFY_DIR, E2E_UNET, MODELS_DIR
 from tools.comfy_server import ComfyServer
 from tools.host import CPU_SERVER_ARGS
 
-MODELS_DIR = ROOT / ".cache" / "models"
-E2E_UNET = "fluxaccel-random-e2e.safetensors"
 E2E_3072_UNET = "fluxaccel-random-e2e-3072.safetensors"  # FLUX.1's own width: where memory per clone must show
 IN_PROMPT = {"FLUXACCEL_SEPARATE_COMPILE": "0"}
-
-
-@pytest.fixture(scope="session")
-def e2e_model_file():
-    from support.models import write_flux_file
-
-    return write_flux_file(MODELS_DIR / "diffusion_models" / E2E_UNET, "e2e")
 
 
 @pytest.fixture(scope="session")

@@ -22,21 +22,13 @@ from support.runs import denoise_once
 
 
 
-@pytest.fixture(scope="module")
-def e2e_file():
-    from conftest import ROOT
-    from support.models import write_flux_file
-
-    return write_flux_file(ROOT / ".cache" / "models" / "diffusion_models" / "fluxaccel-random-e2e.safetensors", "e2e")
-
-
 def test_plain_models_are_used_as_they_are(tiny_flux):
     assert not comfy_compat.is_dynamic(tiny_flux)
     assert comfy_compat.resident(tiny_flux, "node") is tiny_flux
 
 
-def test_dynamic_model_is_quantized_on_its_resident_delegate(cpu_fp8, e2e_file):
-    dyn = dynamic_patcher(e2e_file)
+def test_dynamic_model_is_quantized_on_its_resident_delegate(cpu_fp8, e2e_model_file):
+    dyn = dynamic_patcher(e2e_model_file)
     assert comfy_compat.is_dynamic(dyn)
     live = {n: m.weight for n, m in dyn.model.diffusion_model.named_modules() if isinstance(m, torch.nn.Linear)}
     fp8, report = apply_fp8(dyn, Fp8Config())
@@ -50,22 +42,22 @@ def test_dynamic_model_is_quantized_on_its_resident_delegate(cpu_fp8, e2e_file):
     # the same numbers as quantizing the plain (non-dynamic) load of the same file
     import comfy.sd
 
-    ref, _ = apply_fp8(comfy.sd.load_diffusion_model(str(e2e_file), model_options={"dtype": torch.bfloat16}), Fp8Config())
+    ref, _ = apply_fp8(comfy.sd.load_diffusion_model(str(e2e_model_file), model_options={"dtype": torch.bfloat16}), Fp8Config())
     assert torch.equal(denoise_once(fp8, hw=8), denoise_once(ref, hw=8))
 
 
-def test_dynamic_model_is_compiled_on_its_resident_delegate(e2e_file):
-    dyn = dynamic_patcher(e2e_file)
+def test_dynamic_model_is_compiled_on_its_resident_delegate(e2e_model_file):
+    dyn = dynamic_patcher(e2e_model_file)
     clone, compiled = apply_compile(dyn, CompileConfig(separate_process=False))
     assert not clone.is_dynamic() and clone.model is not dyn.model and compiled_of(clone) is compiled
     assert compiled_of(dyn) is None and compiled._dm is clone.model.diffusion_model
 
 
-def test_resident_copy_shares_the_dynamic_models_weights(e2e_file):
+def test_resident_copy_shares_the_dynamic_models_weights(e2e_model_file):
     """No second host copy: the resident model's parameters hold the dynamic model's storage, in new module and
     parameter objects, without what dynamic loading leaves on modules; changing the copy leaves the original as it
     was, and the copy computes what the original does."""
-    dyn = dynamic_patcher(e2e_file)
+    dyn = dynamic_patcher(e2e_model_file)
     lin = dyn.model.diffusion_model.double_blocks[0].img_attn.qkv
     lin._v, lin._pin_state, lin.seed_key, lin.comfy_cast_weights = object(), {}, "x", True  # as 0.33's dynamic load
     before = {n: p.detach().clone() for n, p in dyn.model.named_parameters()}
@@ -79,15 +71,15 @@ def test_resident_copy_shares_the_dynamic_models_weights(e2e_file):
     assert comfy_compat.resident(dyn, "node").model is res.model  # kept: built once per dynamic patcher
     import comfy.sd
 
-    plain = comfy.sd.load_diffusion_model(str(e2e_file), model_options={"dtype": torch.bfloat16})
+    plain = comfy.sd.load_diffusion_model(str(e2e_model_file), model_options={"dtype": torch.bfloat16})
     assert torch.equal(denoise_once(res, hw=8), denoise_once(plain, hw=8))
     res.model.to(torch.float16)  # what a move to another device or dtype does to the copy
     assert all(p.dtype == torch.bfloat16 and torch.equal(p, before[n]) for n, p in dyn.model.named_parameters())
 
 
-def test_dynamic_model_without_a_file_to_reload_is_shared(cpu_fp8, e2e_file):
+def test_dynamic_model_without_a_file_to_reload_is_shared(cpu_fp8, e2e_model_file):
     """A loader that registered no cached_patcher_init (e.g. weights built in memory): the shared copy needs none."""
-    dyn = dynamic_patcher(e2e_file, with_init=False)
+    dyn = dynamic_patcher(e2e_model_file, with_init=False)
     fp8, report = apply_fp8(dyn, Fp8Config())
     assert report.quantized and resident.shares_weights(fp8.model, dyn.model)
 
@@ -103,11 +95,11 @@ def _not_as_stored(dyn, monkeypatch):
     return dyn
 
 
-def test_where_the_weights_cannot_be_shared_comfyuis_reload_is_used_and_said(e2e_file, monkeypatch, caplog):
+def test_where_the_weights_cannot_be_shared_comfyuis_reload_is_used_and_said(e2e_model_file, monkeypatch, caplog):
     from fluxaccel.core import upstream
 
     upstream.forget()
-    dyn = _not_as_stored(dynamic_patcher(e2e_file), monkeypatch)
+    dyn = _not_as_stored(dynamic_patcher(e2e_model_file), monkeypatch)
     with caplog.at_level("WARNING", "fluxaccel.upstream"):
         clone, compiled = apply_compile(dyn, CompileConfig(separate_process=False))
     assert clone.model is not dyn.model and not resident.shares_weights(clone.model, dyn.model)  # the file again
@@ -115,7 +107,7 @@ def test_where_the_weights_cannot_be_shared_comfyuis_reload_is_used_and_said(e2e
     assert any("unload_model_and_clones" in r.getMessage() and "second host copy" in r.getMessage()
                for r in caplog.records)
     upstream.forget()
-    dyn = _not_as_stored(dynamic_patcher(e2e_file, with_init=False), monkeypatch)
+    dyn = _not_as_stored(dynamic_patcher(e2e_model_file, with_init=False), monkeypatch)
     for apply in (lambda m: apply_fp8(m, Fp8Config()), lambda m: apply_compile(m, CompileConfig(separate_process=False))):
         with pytest.raises(FluxAccelError, match="dynamic VRAM.*UNETLoader.*--disable-dynamic-vram"):
             apply(dyn)
@@ -136,7 +128,7 @@ def test_blocks_captured_by_core_cuda_graphs_are_refused(tiny_flux):
     assert comfy_compat.compiled_elsewhere(tiny_flux) == []
 
 
-def test_lora_changes_on_a_dynamic_model_find_its_resident_model_fp8_set_and_compiled_model(cpu_fp8, e2e_file):
+def test_lora_changes_on_a_dynamic_model_find_its_resident_model_fp8_set_and_compiled_model(cpu_fp8, e2e_model_file):
     """Under ComfyUI's default dynamic VRAM, LoraLoaderModelOnly's clone of the loaded model is dynamic too, and every
     strength gives a new one: each resolves to the same resident model (one per dynamic model, with one set of patch
     backups), so Quantize FP8 finds the FP8 set of the clone before it (only the Linears the LoRA patches are merged
@@ -147,8 +139,8 @@ def test_lora_changes_on_a_dynamic_model_find_its_resident_model_fp8_set_and_com
     from fluxaccel.core.models.patcher import owner_of
     from support.models import lora_state_dict, with_lora
 
-    dyn = dynamic_patcher(e2e_file)
-    plain = comfy.sd.load_diffusion_model(str(e2e_file), model_options={"dtype": torch.bfloat16})
+    dyn = dynamic_patcher(e2e_model_file)
+    plain = comfy.sd.load_diffusion_model(str(e2e_model_file), model_options={"dtype": torch.bfloat16})
     targets = ["double_blocks.0.img_attn.qkv", "single_blocks.0.linear1"]
     sd = lora_state_dict(dyn, targets)
     cfg = CompileConfig(separate_process=False)
