@@ -45,6 +45,7 @@ def test_damaged_compile_cache_file_warns_and_recompiles(server, session_compile
     file and damaged warm-start packages: the Compile node warns about each file it reads, compiles from scratch (and
     writes the package of each kind of block again), and the result is unchanged."""
     import re
+    from pathlib import Path
 
     base = _latent(server, server.run(_graph(tag="cache-base")))
     folder = session_compile_cache
@@ -59,12 +60,17 @@ def test_damaged_compile_cache_file_warns_and_recompiles(server, session_compile
     g["4"]["inputs"]["max_shapes"] = 3 if damage == "corrupt" else 2  # a new Compile node output: loads the cache
     again = _latent(server, server.run(g))
     log = server.log_path.read_bytes()[at:].decode(errors="replace")
-    # every package of the model is read (those of shapes other tests compiled in this server too), every one refused
-    read = [int(n) for n in re.findall(r"loading (\d+) warm-start package\(s\)", log)]
-    assert len(read) == 1 and read[0] >= 2, log
-    said = ("ignoring unusable compile cache", "ignoring unusable warm-start package", "saved warm-start package")
-    # one compile-cache file; a new package per kind of block (double, single)
-    assert [log.count(s) for s in said] == [1, read[0], 2], log
+    # every package of the model is read once -- the shape of this prompt's where it is needed, those of shapes
+    # other tests compiled in this server in the background -- and every one refused
+    # (the model's compile-cache file and its packages share a name: <key>.bin, <key>-<shape>.warm)
+    cache = re.findall(r"ignoring unusable compile cache (\S+) ", log)
+    assert len(cache) == 1, log  # the model's one compile-cache file
+    ignored = re.findall(r"ignoring unusable warm-start package (\S+) ", log)
+    saved = re.findall(r"saved warm-start package (\S+) ", log)
+    mine = {str(p) for p in packages if p.name.startswith(Path(cache[0]).stem + "-")}
+    assert len(saved) == 2, log  # a new package per kind of block (double, single)
+    # (a package written again by this prompt may be read before or after it is)
+    assert len(ignored) == len(set(ignored)) and mine - set(saved) <= set(ignored) <= mine, log
     assert torch.equal(again, base)
 
 

@@ -167,10 +167,12 @@ _CPU_DYNAMIC = []
 
 
 def cpu_dynamic_class():
-    """ModelPatcherDynamic without its __new__ (which hands a CPU device a plain ModelPatcher) and with empty pin
-    records in place of comfy-aimdo's host buffers (a native library that needs CUDA); every other method is 0.33's.
-    Such a patcher is never loaded here (dynamic loading streams weights through comfy-aimdo): FluxAccel works on its
-    resident copy."""
+    """ModelPatcherDynamic without its __new__ (which hands a CPU device a plain ModelPatcher), with empty pin records
+    in place of comfy-aimdo's host buffers (a native library that needs CUDA), and with partially_unload as 0.33
+    computes it where there is no comfy-aimdo page table (its _vbar_get is None on a CPU device: only the backups are
+    restored) without its assertion of a GPU load device; every other method is 0.33's. FluxAccel works on such a
+    patcher's resident copy, but ComfyUI may still unload the patcher itself: a loaded clone that dies hands its entry
+    in ComfyUI's loaded models to its parent (LoadedModel._switch_parent), a LoRA node's dynamic clone."""
     if not _CPU_DYNAMIC:
         import comfy.model_patcher as mp
 
@@ -182,5 +184,7 @@ def cpu_dynamic_class():
                     "hostbufs_initialized": False, "failed": False, "active": False, "current_prompt": False}
 
         _CPU_DYNAMIC.append(type("CpuModelPatcherDynamic", (mp.ModelPatcherDynamic,), {
-            "__new__": lambda cls, *args, **kwargs: object.__new__(cls), "register_load_device": register_load_device}))
+            "__new__": lambda cls, *args, **kwargs: object.__new__(cls), "register_load_device": register_load_device,
+            "partially_unload": lambda self, device_to, memory_to_free=0, force_patch_weights=False:
+            self.restore_loaded_backups()}))
     return _CPU_DYNAMIC[0]

@@ -161,3 +161,25 @@ def test_lora_changes_on_a_dynamic_model_find_its_resident_model_fp8_set_and_com
         assert owner.merges == merges + len(targets)  # the two patched Linears, nothing else
         assert {n: (m.weight.data_ptr(), m.fp8_weight_scale.data_ptr()) for n, m in owner.fp8.items()} == buffers
         assert torch.equal(out, denoise_once(chain(plain, strength)[0], hw=8)), strength
+
+
+def test_a_dropped_quantized_lora_clone_hands_its_load_to_the_dynamic_model_which_unloads(cpu_fp8, e2e_model_file):
+    """A LoRA change drops the last prompt's clones: ComfyUI moves a dropped loaded clone's entry to its parent
+    (LoadedModel._switch_parent), here the LoRA node's dynamic clone, and can then unload it as any other model; the
+    dynamic model's weights are the file's again."""
+    import gc
+
+    import comfy.model_management as mm
+
+    from support.models import lora_state_dict, with_lora
+
+    dyn = dynamic_patcher(e2e_model_file)
+    before = {k: v.clone() for k, v in dyn.model.state_dict().items()}
+    q, _ = apply_fp8(with_lora(dyn, lora_state_dict(dyn, ["single_blocks.0.linear1"]), 1.0), Fp8Config())
+    denoise_once(q, hw=8)
+    del q
+    gc.collect()
+    assert [type(m.model).__name__ for m in mm.current_loaded_models] == ["CpuModelPatcherDynamic"]
+    mm.unload_all_models()
+    assert mm.current_loaded_models == []
+    assert all(torch.equal(v, before[k]) for k, v in dyn.model.state_dict().items())
