@@ -13,12 +13,6 @@ import math
 import numpy as np
 import torch
 
-try:  # a requirement of FluxAccel; without it the Benchmark says so in its table instead of drawing
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-except ImportError:
-    FigureCanvasAgg = Figure = MaxNLocator = None
 
 # colour-blind-safe (Okabe-Ito), dark enough on the light background
 COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#000000")
@@ -27,6 +21,19 @@ SIZE_IN, DPI = (9.6, 5.6), 100  # 960 x 560 px: the preview keeps ~11 px text le
 
 class ChartUnavailable(RuntimeError):
     """matplotlib is not installed: the Benchmark says so in its table instead of drawing."""
+
+
+def _matplotlib():
+    """matplotlib's Agg canvas, Figure and MaxNLocator, imported when a chart is drawn (not when ComfyUI loads the
+    nodes: about half of FluxAccel's import time)."""
+    try:  # a requirement of FluxAccel; without it the Benchmark says so in its table instead of drawing
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as e:
+        raise ChartUnavailable(f"the chart needs matplotlib ({e}): python -m pip install matplotlib into ComfyUI's "
+                               "Python (FluxAccel's requirements.txt lists it)") from None
+    return FigureCanvasAgg, Figure, MaxNLocator
 
 
 def chart_data(rows: list[dict]) -> dict:
@@ -59,9 +66,7 @@ def _bars(ax, values, fmt, title, unit):
 
 def render(rows: list[dict]):
     """A matplotlib Figure of the rows (to_image_tensor makes it a ComfyUI IMAGE)."""
-    if Figure is None:
-        raise ChartUnavailable("the chart needs matplotlib: python -m pip install matplotlib into ComfyUI's Python "
-                               "(FluxAccel's requirements.txt lists it)")
+    _, Figure, MaxNLocator = _matplotlib()
     data = chart_data(rows)
     names = data["configs"]
     fig = Figure(figsize=SIZE_IN, dpi=DPI, facecolor="#f7f7f4", layout="constrained")
@@ -95,13 +100,13 @@ def render(rows: list[dict]):
 def to_png(fig) -> bytes:
     """The figure as PNG bytes (the chart file kept beside the results)."""
     buf = io.BytesIO()
-    FigureCanvasAgg(fig).print_png(buf)
+    _matplotlib()[0](fig).print_png(buf)
     return buf.getvalue()
 
 
 def to_image_tensor(fig):
     """ComfyUI IMAGE: float32 [1, H, W, 3] in 0..1."""
-    canvas = FigureCanvasAgg(fig)
+    canvas = _matplotlib()[0](fig)
     canvas.draw()
     rgba = np.asarray(canvas.buffer_rgba(), dtype=np.float32)[..., :3] / 255.0
     return torch.from_numpy(np.ascontiguousarray(rgba))[None]

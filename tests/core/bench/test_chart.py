@@ -39,3 +39,13 @@ def test_a_cpu_run_says_vram_was_not_measured():
     rows = [{**r, "peak_vram_gib": None} for r in ROWS]
     vram = _panel(render(rows), "peak VRAM")
     assert not vram.patches and [t.get_text() for t in vram.texts] == ["not measured here"]
+
+
+def test_without_matplotlib_the_chart_is_refused_with_the_install_command(monkeypatch):
+    import sys
+
+    from fluxaccel.core.bench.chart import ChartUnavailable
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # what an environment without matplotlib imports
+    with pytest.raises(ChartUnavailable, match=r"the chart needs matplotlib .*python -m pip install matplotlib"):
+        render(ROWS)

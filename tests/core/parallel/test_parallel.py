@@ -55,11 +55,25 @@ def test_the_parallel_call_equals_the_single_process_call(parallel, shape, sizes
     assert p.stats["calls"] == len(sizes) + 1 and p.stats["worker_starts"] == 1
 
 
-def test_a_killed_worker_gives_a_clear_error_and_the_next_call_starts_them_again(parallel):
+def test_the_start_shows_its_progress_a_killed_worker_gives_a_clear_error_and_the_next_call_starts_them_again(
+        parallel):
+    """The workers' start shows its steps, and without CUDA devices every place that shows the workers says they are
+    CPU workers; a killed worker ends the next call with a message that names it, and the call after that starts the
+    workers again, also where the display of the progress fails."""
+    from fluxaccel.core import patches
+
     base = build_flux("tiny", dtype=torch.float32)
     model, p = parallel(base)
+    shown = []
+    p.on_progress = lambda text, seconds: shown.append(text)
     ref = denoise_once(base)
     assert rel_err(denoise_once(model), ref) < TOL
+    assert shown[:2] == ["starting 2 CPU workers (no CUDA device: gpus counts processes on this machine's CPU)",
+                         "2 workers started"]
+    assert shown[2].startswith("sending the workers the model (")
+    assert shown[-1].startswith("2 workers ready in")
+    assert patches.label(model) == "fp32+parallel-2cpu-workers"
+    assert "split over 2 CPU workers (no CUDA device" in p.describe()
     victim = p.workers.procs[1]
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait()
@@ -67,6 +81,7 @@ def test_a_killed_worker_gives_a_clear_error_and_the_next_call_starts_them_again
                                          r"workers again"):
         denoise_once(model)
     assert not p.workers.procs  # every worker stopped
+    p.on_progress = lambda text, seconds: (_ for _ in ()).throw(RuntimeError("no editor"))
     assert rel_err(denoise_once(model), ref) < TOL and p.workers.starts == 2
 
 
@@ -138,25 +153,6 @@ def test_an_fp8_model_runs_across_the_workers(parallel, cpu_fp8):
     model, p = parallel(fp8)
     ref = denoise_once(fp8, hw=14, w=18)
     assert rel_err(denoise_once(model, hw=14, w=18), ref) < 2e-2 and p.stats["calls"] == 1
-
-
-def test_the_workers_start_shows_its_progress_and_a_failing_display_stops_nothing(parallel):
-    base = build_flux("tiny", dtype=torch.float32)
-    model, p = parallel(base)
-    shown = []
-    p.on_progress = lambda text, seconds: shown.append(text)
-    denoise_once(model)
-    assert shown[:2] == ["starting 2 CPU workers (no CUDA device: gpus counts processes on this machine's CPU)",
-                         "2 workers started"]
-    assert shown[2].startswith("sending the workers the model (")
-    assert shown[-1].startswith("2 workers ready in")
-    # without CUDA devices, every place that shows the workers says they are CPU workers
-    from fluxaccel.core import patches
-    assert patches.label(model) == "fp32+parallel-2cpu-workers"
-    assert "split over 2 CPU workers (no CUDA device" in p.describe()
-    p.workers.stop()
-    p.on_progress = lambda text, seconds: (_ for _ in ()).throw(RuntimeError("no editor"))
-    assert rel_err(denoise_once(model), denoise_once(base)) < TOL
 
 
 @pytest.mark.parametrize("shape, sizes", [(TINY, ((14, 18, 7), (16, None, 16))), (TINY_FLUX2, ((7, 9, 7),))])
