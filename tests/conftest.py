@@ -29,11 +29,14 @@ E2E_UNET = "fluxaccel-random-e2e.safetensors"  # the e2e FLUX file (256 wide) th
 
 @pytest.fixture(autouse=True, scope="session")
 def session_compile_cache(tmp_path_factory):
-    """FluxAccel's persistent compile cache goes to a folder of this test session only (this process's and its
-    session servers')."""
+    """FluxAccel's persistent compile cache goes to one folder of this test run, shared by its pytest workers and
+    their session servers (FluxAccel writes its files under a temporary name and renames them, for processes that
+    share a folder). A test that damages or counts the files of a compile uses a folder of its own."""
     import os
 
-    folder = tmp_path_factory.mktemp("compile-cache")
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "compile-cache"
+    folder.mkdir(exist_ok=True)
     os.environ["FLUXACCEL_CACHE_DIR"] = str(folder)
     yield folder
 
@@ -52,10 +55,11 @@ def _private_comfy_folders(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _fresh_warm_start(request, tmp_path, monkeypatch):
-    """Tests share the session's compile-cache folder: a warm-start package that one test wrote (same tiny model
-    layout, compile config and call signature) is loaded by the next one in ~1 s where compiling it again takes ~25 s
-    on the CPU (aot_compile does not use inductor's FX-graph cache). Tests marked `fresh_compile` get a folder of
-    their own: they check what a compile itself does (the trace, its phases, the files it writes)."""
+    """Tests share the run's compile-cache folder: a warm-start package that one test wrote (same tiny model
+    layout, compile config and call signature), in either pytest worker, is loaded by the next one in ~1 s where
+    compiling it again takes ~25 s on the CPU (aot_compile does not use inductor's FX-graph cache). Tests marked
+    `fresh_compile` get a folder of their own: they check what a compile itself does (the trace, its phases, the
+    files it writes)."""
     if request.node.get_closest_marker("fresh_compile") is not None:
         monkeypatch.setenv("FLUXACCEL_CACHE_DIR", str(tmp_path / "compile-cache"))
 

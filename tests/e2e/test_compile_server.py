@@ -39,16 +39,35 @@ def test_strict_shapes_and_reload_in_a_server(server):
     assert torch.equal(again, compiled)
 
 
+@pytest.fixture(scope="module")
+def own_cache_server(e2e_model_file, tmp_path_factory):
+    """A server as the session's, with a compile-cache folder of its own (.cache): a test damages every file in it."""
+    from conftest import COMFY_DIR
+    from tools.comfy_server import ComfyServer
+    from tools.host import CPU_SERVER_ARGS
+
+    from .conftest import IN_PROMPT, MODELS_DIR
+
+    work = tmp_path_factory.mktemp("own-cache-server")
+    srv = ComfyServer(COMFY_DIR, work, MODELS_DIR, CPU_SERVER_ARGS, cpu_fp8=True,
+                      env={**IN_PROMPT, "FLUXACCEL_CACHE_DIR": str(work / "compile-cache")})
+    srv.cache = work / "compile-cache"
+    srv.start()
+    yield srv
+    srv.stop()
+
+
 @pytest.mark.parametrize("damage", ["corrupt", "foreign"])
-def test_damaged_compile_cache_file_warns_and_recompiles(server, session_compile_cache, damage):
-    """FluxAccel's persistent compile cache (the session's folder, the server's too) holds a damaged compile-cache
-    file and damaged warm-start packages: the Compile node warns about each file it reads, compiles from scratch (and
-    writes the package of each kind of block again), and the result is unchanged."""
+def test_damaged_compile_cache_file_warns_and_recompiles(own_cache_server, damage):
+    """FluxAccel's persistent compile cache (the server's folder) holds a damaged compile-cache file and damaged
+    warm-start packages: the Compile node warns about each file it reads, compiles from scratch (and writes the
+    package of each kind of block again), and the result is unchanged."""
     import re
     from pathlib import Path
 
+    server = own_cache_server
     base = _latent(server, server.run(_graph(tag="cache-base")))
-    folder = session_compile_cache
+    folder = server.cache
     files, packages = list(folder.glob("*.bin")), list(folder.glob("*.warm"))
     assert files and packages, "the compile above must have saved a cache file and a warm-start package"
     for f in files:
@@ -60,8 +79,8 @@ def test_damaged_compile_cache_file_warns_and_recompiles(server, session_compile
     g["4"]["inputs"]["max_shapes"] = 3 if damage == "corrupt" else 2  # a new Compile node output: loads the cache
     again = _latent(server, server.run(g))
     log = server.log_path.read_bytes()[at:].decode(errors="replace")
-    # every package of the model is read once -- the shape of this prompt's where it is needed, those of shapes
-    # other tests compiled in this server in the background -- and every one refused
+    # every package of the model is read once -- the shape of this prompt's where it is needed, the others in the
+    # background -- and every one refused
     # (the model's compile-cache file and its packages share a name: <key>.bin, <key>-<shape>.warm)
     cache = re.findall(r"ignoring unusable compile cache (\S+) ", log)
     assert len(cache) == 1, log  # the model's one compile-cache file
