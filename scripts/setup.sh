@@ -39,4 +39,21 @@ if [ -z "${FLUXACCEL_PYTHON:-}" ] && [ -f ../shared/hosts/comfyui-0.38.1-files/c
   say "comfy-aimdo 0.5.5 for the ComfyUI 0.38.1 model-compiler test (tools/comfy038.py)"
   "$PY" tools/comfy038.py >/dev/null
 fi
+# Python byte code for everything the servers, workers and tests import, written here once: packages are installed
+# with --no-compile, and where PYTHONDONTWRITEBYTECODE is set (as on many CI images) no process would ever write it,
+# so each one would compile torch's and ComfyUI's sources again on import (about 8 s more for each process that
+# compiles a model). Done again only when one of these folders changed since (an install adds to its site-packages).
+dirs=("$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")" "$(python3 tools/host.py --source-only 2>/dev/null)")
+if [ -z "${FLUXACCEL_PYTHON:-}" ]; then
+  dirs+=("$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")")
+  [ -d .cache/aimdo-0.5.5 ] && dirs+=(.cache/aimdo-0.5.5)
+fi
+stamp=.cache/bytecode.stamp
+if [ ! -f "$stamp" ] || [ -n "$(find "${dirs[@]}" core nodes tools -maxdepth 0 -newer "$stamp")" ]; then
+  say "byte-compiling the environments, the ComfyUI tree and the plugin (python -m compileall)"
+  # torch's testing/_internal/py312_intrinsics.py is Python 3.12 syntax, imported by nothing here: compileall exits 1
+  # for it, so its exit status is not the set-up's; any other file it fails on still compiles on import, as before
+  "$PY" -m compileall -q -j 0 -x '/custom_nodes/' "${dirs[@]}" core nodes tools >/dev/null 2>&1 || true
+  mkdir -p .cache && touch "$stamp"
+fi
 echo "$PY"
