@@ -66,6 +66,7 @@ def _raise_in(thread_id: int, exc: type | None) -> None:
 
 
 CANCEL_POLL_S = 0.1  # how often the watcher looks for Cancel (the prompt must end within 2 s of it)
+CANCEL_RESEND_S = 0.5  # how long after raising the interrupt, with the call still running, it is raised again
 
 
 class CompileWatch:
@@ -76,7 +77,9 @@ class CompileWatch:
     watcher checks `cancelled` every CANCEL_POLL_S and, once it is true, raises ComfyUI's interrupt in the compiling
     thread; the call ends as a cancelled prompt, whatever torch made of the exception on its way out, and nothing
     of the compile is saved (its files are written after the call). Where torch holds the thread in C code the
-    exception lands when Python runs again."""
+    exception lands when Python runs again. One that lands where Python only prints it (a finalizer or weakref
+    callback the garbage collector runs in that thread) is lost, so while the call still runs it is raised again
+    every CANCEL_RESEND_S."""
 
     def __init__(self, report: Report | None, what: str, interval: float = 1.0,
                  cancelled: Callable[[], bool] | None = cancelled):
@@ -113,18 +116,20 @@ class CompileWatch:
             log.warning("FluxAccel: compile progress not shown (%s: %s)", type(e).__name__, e)
 
     def _loop(self) -> None:
-        reported = 0.0
+        reported = sent_at = 0.0
         while not self._stop.wait(min(self.interval, CANCEL_POLL_S)):
             elapsed = time.perf_counter() - self._t0
             if self.report is not None and elapsed - reported >= self.interval:
                 reported = elapsed
                 self._send(self.text(elapsed), elapsed)
-            if self.cancelled is not None and not self._cancel_sent and self.cancelled():
+            if self.cancelled is not None and (not self._cancel_sent or elapsed - sent_at >= CANCEL_RESEND_S) \
+                    and self.cancelled():
                 with self._lock:
                     if self._compiling:
-                        self._cancel_sent = True
-                        log.info("FluxAccel: Cancel pressed: stopping the compile of %s after %.1f s", self.what,
-                                 elapsed)
+                        if not self._cancel_sent:
+                            log.info("FluxAccel: Cancel pressed: stopping the compile of %s after %.1f s", self.what,
+                                     elapsed)
+                        self._cancel_sent, sent_at = True, elapsed
                         _raise_in(self._owner, comfy_internals.interrupt_exception())
 
     def __enter__(self) -> "CompileWatch":

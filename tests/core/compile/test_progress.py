@@ -58,3 +58,44 @@ def test_a_real_compile_reports_its_phases_until_ready(tiny_flux, tmp_path, monk
     n = len(seen)
     c(x, t, context=ctx, y=y, guidance=guidance)
     assert len(seen) == n, "a warm call compiles nothing and reports nothing"
+
+
+def test_a_cancel_lost_in_a_finalizer_is_raised_again_and_ends_the_call_within_two_seconds(monkeypatch):
+    """Cancel raises ComfyUI's interrupt in the compiling thread. Where it lands in a finalizer that the garbage
+    collector runs in that thread, Python only reports it (sys.unraisablehook) and the thread goes on: the watcher
+    raises it again while the call runs, and the call ends within 2 s of Cancel."""
+    import sys
+    import threading
+    import time
+
+    import pytest
+
+    from fluxaccel.core.compile.progress import CompileWatch
+    from fluxaccel.core.upstream import comfy_internals
+
+    interrupt = comfy_internals.interrupt_exception()
+    swallowed = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: swallowed.append(u.exc_type))
+    pressed = threading.Event()
+    watch = CompileWatch(None, "a test call", cancelled=pressed.is_set)
+
+    class Finalized:
+        def __del__(self):
+            # Python code running when the watcher raises the interrupt: it lands here, and is only reported
+            end = time.monotonic() + 5.0
+            while not watch._cancel_sent and time.monotonic() < end:
+                pass
+            end = time.monotonic() + 0.2
+            while time.monotonic() < end:
+                pass
+
+    with pytest.raises(interrupt):
+        with watch:
+            obj = Finalized()
+            pressed.set()
+            t0 = time.monotonic()
+            del obj
+            while time.monotonic() - t0 < 10.0:  # the rest of the compile
+                time.sleep(0.01)
+    assert time.monotonic() - t0 < 2.0
+    assert swallowed == [interrupt]
