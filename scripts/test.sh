@@ -8,6 +8,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORKERS=${FLUXACCEL_TEST_WORKERS:-2}
+# a full disk fails tests far from its cause: said first where less than a run may need is free (the set-up's .venv and
+# .cache about 10 GB on a fresh clone, one run's temporary files and inductor's kernels about 3 GB)
+for dir in . "${TMPDIR:-/tmp}"; do
+  free_gb=$(( $(df -Pk "$dir" | awk 'NR==2 {print $4}') / 1024 / 1024 ))
+  if [ "$free_gb" -lt 13 ]; then
+    echo "[test] warning: only $free_gb GB free where $dir is; a run from a fresh clone may need about 13 GB" >&2
+  fi
+done
 bash scripts/setup-browser.sh
 PY=$(bash scripts/setup.sh)
 # one compute thread per worker: two workers of two threads each on two cores spin against each other
