@@ -11,7 +11,9 @@ WORKERS=${FLUXACCEL_TEST_WORKERS:-2}
 # a full disk fails tests far from its cause: said first where less than a run may need is free (the set-up's .venv and
 # .cache about 10 GB on a fresh clone, one run's temporary files and inductor's kernels about 3 GB)
 for dir in . "${TMPDIR:-/tmp}"; do
-  free_gb=$(( $(df -Pk "$dir" | awk 'NR==2 {print $4}') / 1024 / 1024 ))
+  free_kb=$(df -Pk "$dir" 2>/dev/null | awk 'NR==2 {print $4}' || true)
+  [ -n "$free_kb" ] || continue
+  free_gb=$(( free_kb / 1024 / 1024 ))
   if [ "$free_gb" -lt 13 ]; then
     echo "[test] warning: only $free_gb GB free where $dir is; a run from a fresh clone may need about 13 GB" >&2
   fi
