@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 say() { echo "[setup] $*" >&2; }
 # ComfyUI first: a missing archive is said before several GB of packages are installed
 say "finding ComfyUI (tools/host.py --source-only)"
-python3 tools/host.py --source-only >/dev/null
+COMFY_DIR=$(python3 tools/host.py --source-only)
 if [ -n "${FLUXACCEL_PYTHON:-}" ]; then
   PY="$FLUXACCEL_PYTHON"
 else
@@ -43,7 +43,7 @@ fi
 # with --no-compile, and where PYTHONDONTWRITEBYTECODE is set (as on many CI images) no process would ever write it,
 # so each one would compile torch's and ComfyUI's sources again on import (about 8 s more for each process that
 # compiles a model). Done again only when one of these folders changed since (an install adds to its site-packages).
-dirs=("$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")" "$(python3 tools/host.py --source-only 2>/dev/null)")
+dirs=("$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")" "$COMFY_DIR")
 if [ -z "${FLUXACCEL_PYTHON:-}" ]; then
   dirs+=("$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")")
   [ -d .cache/aimdo-0.5.5 ] && dirs+=(.cache/aimdo-0.5.5)

@@ -1,12 +1,17 @@
 """core/compile_progress.py: the phase of a compile read off torch's own timers, reported while the compile runs."""
 import re
+import sys
+import threading
+import time
 
+import pytest
 import torch
 
 from fluxaccel.core.compile.config import CompileConfig
 
 from fluxaccel.core.compile.compiled import CompiledFlux, Setup
-from fluxaccel.core.compile.progress import FIRST_RUN, PHASES, phase
+from fluxaccel.core.compile.progress import FIRST_RUN, PHASES, CompileWatch, phase
+from fluxaccel.core.upstream import comfy_internals
 from support.runs import flux_inputs
 
 
@@ -64,15 +69,6 @@ def test_a_cancel_lost_in_a_finalizer_is_raised_again_and_ends_the_call_within_t
     """Cancel raises ComfyUI's interrupt in the compiling thread. Where it lands in a finalizer that the garbage
     collector runs in that thread, Python only reports it (sys.unraisablehook) and the thread goes on: the watcher
     raises it again while the call runs, and the call ends within 2 s of Cancel."""
-    import sys
-    import threading
-    import time
-
-    import pytest
-
-    from fluxaccel.core.compile.progress import CompileWatch
-    from fluxaccel.core.upstream import comfy_internals
-
     interrupt = comfy_internals.interrupt_exception()
     swallowed = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: swallowed.append(u.exc_type))
