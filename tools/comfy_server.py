@@ -111,7 +111,7 @@ class ComfyServer:
                "--output-directory", str(self.workdir / "output"), "--input-directory", str(self.workdir / "input"),
                "--temp-directory", str(self.workdir / "temp"), "--user-directory", str(self.workdir / "user"),
                "--extra-model-paths-config", str(paths), "--disable-auto-launch", *self._database_args(),
-               *self.extra_args]
+               *self._api_nodes_args(), *self.extra_args]
         env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1"}
         if "--cpu" in self.extra_args:
             for k, v in CPU_MALLOC.items():
@@ -139,10 +139,19 @@ class ComfyServer:
         """ComfyUI's sqlite database in this server's user folder: its default (ComfyUI/user/comfyui.db) is in a
         folder that only exists once ComfyUI ran with its own user folder, else its start logs an [ERROR]. Only where
         this ComfyUI has the flag (0.3.4x and later)."""
-        cli = self.comfy_dir / "comfy" / "cli_args.py"
-        if "--database-url" not in (cli.read_text(errors="replace") if cli.is_file() else ""):
+        if "--database-url" not in self._cli_text():
             return []
         return ["--database-url", f"sqlite:///{self.workdir / 'user' / 'comfyui.db'}"]
+
+    def _api_nodes_args(self) -> list[str]:
+        """ComfyUI's cloud API nodes left out: a server started here runs local workflows, and importing those
+        modules is a large part of every start; also keeps its frontend off the internet. Only where this ComfyUI has
+        the flag."""
+        return ["--disable-api-nodes"] if "--disable-api-nodes" in self._cli_text() else []
+
+    def _cli_text(self) -> str:
+        cli = self.comfy_dir / "comfy" / "cli_args.py"
+        return cli.read_text(errors="replace") if cli.is_file() else ""
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -114,3 +114,12 @@ def test_registry_metadata_and_self_describing_nodes(server):
     warm = info["FluxAccelWarmup"]["input"]["required"]
     assert warm["resolutions"][1]["default"] == f"{bench['width'][1]['default']}x{bench['height'][1]['default']}"
     assert warm["cfg"][1]["default"] == bench["cfg"][1]["default"] and warm["batch_size"][1]["default"] == 1
+
+
+def test_servers_started_here_leave_out_the_cloud_api_nodes(server):
+    """The servers that the tests and the headless benchmark start run local workflows only: ComfyUI's cloud API nodes
+    are not imported (a large part of every start), while its own local nodes all are."""
+    info = server.get("/object_info")
+    modules = {node.get("python_module", "") for node in info.values()}
+    assert not any(m.startswith("comfy_api_nodes") for m in modules), sorted(modules)
+    assert {"KSampler", "UNETLoader", "EmptySD3LatentImage", "SaveLatent", *OURS} <= set(info)
