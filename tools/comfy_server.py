@@ -110,8 +110,8 @@ class ComfyServer:
         cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(self.port),
                "--output-directory", str(self.workdir / "output"), "--input-directory", str(self.workdir / "input"),
                "--temp-directory", str(self.workdir / "temp"), "--user-directory", str(self.workdir / "user"),
-               "--extra-model-paths-config", str(paths), "--disable-auto-launch", *self._database_args(),
-               *self._api_nodes_args(), *self.extra_args]
+               "--extra-model-paths-config", str(paths), "--disable-auto-launch", *self._optional_args(),
+               *self.extra_args]
         env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1"}
         if "--cpu" in self.extra_args:
             for k, v in CPU_MALLOC.items():
@@ -135,23 +135,20 @@ class ComfyServer:
         self.stop()
         raise TimeoutError(f"ComfyUI did not answer within {timeout}s:\n{self.log_tail()}")
 
-    def _database_args(self) -> list[str]:
-        """ComfyUI's sqlite database in this server's user folder: its default (ComfyUI/user/comfyui.db) is in a
-        folder that only exists once ComfyUI ran with its own user folder, else its start logs an [ERROR]. Only where
-        this ComfyUI has the flag (0.3.4x and later)."""
-        if "--database-url" not in self._cli_text():
-            return []
-        return ["--database-url", f"sqlite:///{self.workdir / 'user' / 'comfyui.db'}"]
-
-    def _api_nodes_args(self) -> list[str]:
-        """ComfyUI's cloud API nodes left out: a server started here runs local workflows, and importing those
-        modules is a large part of every start; also keeps its frontend off the internet. Only where this ComfyUI has
-        the flag."""
-        return ["--disable-api-nodes"] if "--disable-api-nodes" in self._cli_text() else []
-
-    def _cli_text(self) -> str:
+    def _optional_args(self) -> list[str]:
+        """Flags passed only where this ComfyUI has them (read off its cli_args.py):
+        - its sqlite database in this server's user folder: its default (ComfyUI/user/comfyui.db) is in a folder that
+          only exists once ComfyUI ran with its own user folder, else its start logs an [ERROR] (0.3.4x and later);
+        - its cloud API nodes left out: a server started here runs local workflows, and importing those modules is a
+          large part of every start; also keeps its frontend off the internet."""
         cli = self.comfy_dir / "comfy" / "cli_args.py"
-        return cli.read_text(errors="replace") if cli.is_file() else ""
+        text = cli.read_text(errors="replace") if cli.is_file() else ""
+        args = []
+        if "--database-url" in text:
+            args += ["--database-url", f"sqlite:///{self.workdir / 'user' / 'comfyui.db'}"]
+        if "--disable-api-nodes" in text:
+            args.append("--disable-api-nodes")
+        return args
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
