@@ -5,8 +5,7 @@
 # torchao's CUTLASS kernels (FluxAccel's FP8 GEMMs are torch._scaled_mm) and SQLAlchemy's compiled speed-ups (it runs
 # without them), and strips the compiled modules' symbol tables. ~3 minutes on 2 cores. Then, on the device:
 #   mkdir -p .gpu033 && cp .gpu033fa3/setup-on-device.sh .gpu033/ && KIT=.gpu033fa3 bash bench/device.sh ...
-# (carry [".gpu033fa3"]). `.probekit` for bench/probes/flux_blocks.py --fa3 is built the same way from the kit's site
-# without av, SQLAlchemy, alembic and mako (a probe starts no server).
+# (carry [".gpu033fa3"]).
 set -euo pipefail
 KIT_SRC=${KIT_SRC:-../shared/gpu/kit-0.33}
 work=$(mktemp -d)

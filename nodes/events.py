@@ -57,9 +57,9 @@ def compiled_notifier(node_id: str | None):
 
 
 def progress_text(node_id: str | None):
-    """A compile_progress.Report that shows the compile's progress as text on node `node_id` in the editor (ComfyUI's
-    progress-text websocket message, to the client that queued the prompt) and in the log every 10 s (the compile's
-    end is logged by core/compile.py)."""
+    """A progress.Report (core/compile/progress.py) that shows the compile's progress as text on node `node_id` in
+    the editor (ComfyUI's progress-text websocket message, to the client that queued the prompt) and in the log every
+    10 s (the compile's end is logged by core/compile/telemetry.py)."""
     last = [-10.0]
 
     def report(text: str, seconds: float) -> None:

@@ -1,4 +1,4 @@
-"""Rewrite results JSON files as strict JSON (core/results.py): Infinity/NaN become null, listed in `nonfinite`.
+"""Rewrite results JSON files as strict JSON (core/bench/results.py): Infinity/NaN become null, listed in `nonfinite`.
 
     python tools/strict_json.py bench/results/*.json
 

@@ -32,7 +32,7 @@ def phase_totals() -> dict[str, float]:
 
 class Telemetry:
     """The observer of one CompiledFlux (its stats, device and graph state); on_compiled(compiled) after a shape
-    compiled or its graphs were lost, on_progress(text, seconds) while a shape compiles (compile_progress.Report)."""
+    compiled or its graphs were lost, on_progress(text, seconds) while a shape compiles (progress.Report)."""
 
     def __init__(self, compiled):
         self.compiled = compiled

@@ -10,7 +10,7 @@ rounded to the input's dtype as eager rounds it, scale = the row's absmax / 448 
 lower/upper bounds on the absmax where set), values divided by the scale, clamped to +-448 and rounded to e4m3. The
 GPU kernel (Triton, as a `torch.library.triton_op`, so inductor compiles it into the graph) computes GELU through
 exp2 and an approximate division and multiplies by the scale's reciprocal, as inductor's own kernels do: a GELU value
-or an FP8 value differs from torch's in its last bit now and then (bench/probes/flux_blocks.py --fused counts them).
+or an FP8 value differs from torch's in its last bit now and then.
 Off the GPU the op runs the same in torch.
 
 `gelu_pair_rowwise_fp8` quantizes the same row read from two tensors, [a | GELU(m)]: the single block's attention

@@ -1,6 +1,6 @@
 """torchao internals FluxAccel reaches (see the package docstring): its FP8 hardware gate, the kernel preference of
 its dynamic-FP8 config, and the float8 primitives its torch-kernel path calls (which the 'plain' FP8 layout replays
-on plain tensors, core/fp8.py)."""
+on plain tensors, core/quant/fp8.py)."""
 from __future__ import annotations
 
 import importlib

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.e2e
 LORA = "fluxaccel-test-lora.safetensors"
 TARGETS = ["double_blocks.0.img_attn.qkv", "double_blocks.0.img_mlp.0", "single_blocks.0.linear1",
            "single_blocks.0.linear2"]
-FP8_TOL = 0.08  # FP8 e4m3 on the whole model, as in tests/core/test_fp8_patch.py
+FP8_TOL = 0.08  # FP8 e4m3 on the whole model, as in tests/core/quant/test_quant_patch.py
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""core/bench.py: the side-by-side measurement on the tiny model (CPU), without a server."""
+"""core/bench/benchmark.py: the side-by-side measurement on the tiny model (CPU), without a server."""
 import math
 
 import pytest

@@ -1,4 +1,5 @@
-"""core/chart.py: the Benchmark chart's content, checked from its data and the figure's artists (not its pixels)."""
+"""core/bench/chart.py: the Benchmark chart's content, checked from its data and the figure's artists (not its
+pixels)."""
 import pytest
 
 from fluxaccel.core.bench.chart import chart_data, render, to_image_tensor

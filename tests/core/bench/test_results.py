@@ -1,4 +1,4 @@
-"""core/results.py: strict JSON and one set of files per Benchmark run; every committed results JSON is strict."""
+"""core/bench/results.py: strict JSON and one set of files per Benchmark run; every committed results JSON is strict."""
 import json
 import math
 

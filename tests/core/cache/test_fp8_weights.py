@@ -1,4 +1,4 @@
-"""core/quant/weights_cache.py: Quantize FP8 loads a model's FP8 weights from the cache instead of quantizing again,
+"""core/cache/fp8_weights.py: Quantize FP8 loads a model's FP8 weights from the cache instead of quantizing again,
 with the same numbers; stale, foreign and corrupt files are ignored with a warning; what is not cached says why."""
 import os
 import shutil

@@ -1,5 +1,5 @@
-"""core/compile/kernel_cache.py: a fresh process reuses the saved artifacts; foreign/corrupt files are ignored
-(test_warm_start.py has the warm-start packages).
+"""core/cache/kernels.py: a fresh process reuses the saved artifacts; foreign/corrupt files are ignored
+(test_packages.py has the warm-start packages).
 
 Each run is a new Python process with its own empty TORCHINDUCTOR_CACHE_DIR, so a cache hit can only come from
 FluxAccel's file."""

@@ -1,4 +1,4 @@
-"""core/warm_start.py: a new process runs a saved shape without tracing, bit-identical; bad files are refused.
+"""core/cache/packages.py: a new process runs a saved shape without tracing, bit-identical; bad files are refused.
 
 Processes here are new Python interpreters, each with its own empty TORCHINDUCTOR_CACHE_DIR, sharing one FluxAccel
 cache folder (as ComfyUI workers of one machine would)."""

@@ -4,7 +4,7 @@ call run without a graph, the graph count bounded; and the compiled FLUX model t
 
 CUDA graphs need a GPU: here a capture stand-in records the call and replays it into the same output memory, as a
 graph does (reads its static inputs, overwrites its output), so what FluxAccel's own code does around the graph is
-checked on the CPU; the capture itself runs in the GPU runs (bench/probes/graph_capture.py, bench/device.sh)."""
+checked on the CPU; the capture itself runs in the GPU runs (bench/device.sh)."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""core/compile_progress.py: the phase of a compile read off torch's own timers, reported while the compile runs."""
+"""core/compile/progress.py: the phase of a compile read off torch's own timers, reported while the compile runs."""
 import re
 import sys
 import threading

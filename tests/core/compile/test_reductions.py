@@ -1,6 +1,6 @@
 """core/compile/reductions.py and torch_internals.persistent_reductions: which reductions inductor makes persistent
 inside FluxAccel's compile, decided by inductor's own choices handler and sizes (real inductor objects; the CPU
-backend generates no Triton, so the kernels themselves are checked on the GPU, bench/probes/flux_blocks.py --fused)."""
+backend generates no Triton, so the kernels themselves run only in the GPU runs, bench/device.sh)."""
 from types import SimpleNamespace
 
 import pytest

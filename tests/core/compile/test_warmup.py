@@ -1,4 +1,4 @@
-"""core/warmup.py: shapes registered and compiled before the real run; the real run compiles nothing."""
+"""core/compile/warmup.py: shapes registered and compiled before the real run; the real run compiles nothing."""
 import pytest
 import torch
 

@@ -172,8 +172,8 @@ def test_the_triton_kernel_in_tritons_interpreter_matches_the_reference(tmp_path
     """The GPU kernels run by Triton's CPU interpreter (rows, columns, GELU from gelu_from on, reduction and
     scaling; the pair kernel reading the row from two tensors, with absmax bounds; FLUX.2's SiLU-gate kernels, one
     input with a kept prefix and the pair), writing values before the e4m3 cast (a float32 output): each row's scale
-    and every value as the reference's, up to the interpreter's bf16 casts, which truncate (the GPU's rounding and e4m3 cast are compared
-    with the reference on the GPU, in bench/probes/flux_blocks.py --fused)."""
+    and every value as the reference's, up to the interpreter's bf16 casts, which truncate (the GPU's own rounding
+    and e4m3 cast run only on the GPU)."""
     pytest.importorskip("triton")
     script = tmp_path / "interpreted.py"
     script.write_text(_INTERPRETED)

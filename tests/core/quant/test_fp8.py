@@ -1,4 +1,4 @@
-"""core/fp8.py: layer selection, per-tensor/per-row numerics through torchao's real Float8Tensor path.
+"""core/quant/fp8.py: layer selection, per-tensor/per-row numerics through torchao's real Float8Tensor path.
 
 Error bounds: e4m3 keeps 3 mantissa bits, so one rounding has relative error <= 2^-4 and RMS ~2^-4/sqrt(3)
 ~ 3.6%/sqrt(3)... concretely, a GEMM with both operands rounded has RMS relative error ~2.5-4% (measured

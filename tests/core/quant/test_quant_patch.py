@@ -11,7 +11,7 @@ from fluxaccel.core.bench.metrics import rel_err, sqnr_db
 from fluxaccel.core.models import swaps
 from support.runs import flux_inputs, forward, sample
 
-# Whole tiny-FLUX forward vs bf16: see tests/core/test_fp8.py for why 8% bounds FP8 e4m3 (SQNR >= 22 dB).
+# Whole tiny-FLUX forward vs bf16: see tests/core/quant/test_fp8.py for why 8% bounds FP8 e4m3 (SQNR >= 22 dB).
 BOUND = 0.08
 
 
