@@ -265,16 +265,18 @@ def log_tail(path: Path) -> str:
 
 
 def _end(procs: list, conns: list, wait_s: float = 5.0) -> None:
-    """Stop these workers and empty both lists (also when their Workers object is collected: weakref.finalize)."""
+    """Stop these workers and empty both lists (also when their Workers object is collected: weakref.finalize): a
+    stop message to each, `wait_s` in all for them to exit, then a kill for each one still running."""
     for conn in conns:
         try:
             send(conn, ("stop",))
             conn.close()
         except OSError:
             pass
+    deadline = time.monotonic() + wait_s
     for p in procs:
         try:
-            p.wait(timeout=wait_s)
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
